@@ -1,0 +1,37 @@
+"""celery-resilient: Celery workers that come back from any restart without losing work."""
+
+from .app import Resilient
+from .config import ResilientConfig
+from .errors import (
+    CheckpointError,
+    ConfigurationError,
+    ContextConflict,
+    ContextNotFound,
+    LedgerKeyError,
+    ResilientError,
+    SchemaError,
+    SerializationError,
+    StaleClaimError,
+    StoreUnavailable,
+    WorkKeyConflict,
+)
+from .task import ResumableTask, WorkDead
+
+__all__ = [
+    "CheckpointError",
+    "ConfigurationError",
+    "ContextConflict",
+    "ContextNotFound",
+    "LedgerKeyError",
+    "Resilient",
+    "ResilientConfig",
+    "ResilientError",
+    "ResumableTask",
+    "SchemaError",
+    "SerializationError",
+    "StaleClaimError",
+    "StoreUnavailable",
+    "WorkDead",
+    "WorkKeyConflict",
+]
+__version__ = "0.1.0.dev0"

@@ -1,0 +1,110 @@
+"""``Resilient(app)``: the one wiring point between a Celery app and the durable store."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import Celery, signals
+
+from . import checks, receipts
+from .config import ResilientConfig, sanitize_url
+from .errors import ConfigurationError
+from .store.sql import Owner, Store
+
+log = logging.getLogger(__name__)
+_ATTR = "_celery_resilient"
+
+
+class Resilient:
+    """Attach restart resilience to a Celery app.
+
+    Reads ``resilient_*`` settings (lazily, once: the app may be configured after this
+    call), records every resumable delivery, and adds the worker bootstep that renews
+    leases and re-publishes orphans.
+    """
+
+    def __init__(self, app: Celery) -> None:
+        if getattr(app, _ATTR, None) is not None:
+            raise ConfigurationError(f"Resilient() was already applied to app {app.main!r}")
+        self.app = app
+        self._config: ResilientConfig | None = None
+        self._store: Store | None = None
+        self._schema_ready = False
+        self._lock = threading.Lock()
+        setattr(app, _ATTR, self)
+        from .worker import ResilientWorkerStep
+
+        app.steps["worker"].add(ResilientWorkerStep)
+        signals.task_received.connect(self._on_task_received, weak=False)
+        signals.before_task_publish.connect(self._on_before_publish, weak=False)
+        signals.worker_process_init.connect(self._on_process_init, weak=False)
+
+    @classmethod
+    def of(cls, app: Celery) -> Resilient:
+        rt: Resilient | None = getattr(app, _ATTR, None)
+        if rt is None:
+            raise ConfigurationError(
+                f"celery-resilient is not enabled on app {app.main!r}: call Resilient(app) "
+                "where the app is created"
+            )
+        return rt
+
+    @property
+    def config(self) -> ResilientConfig:
+        if self._config is None:
+            self._config = ResilientConfig.from_mapping(self.app.conf)
+        return self._config
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    cfg = self.config
+                    self._store = Store(cfg.store_url, cfg.table_prefix)
+        if not self._schema_ready:
+            with self._lock:
+                if not self._schema_ready:
+                    self._store.ensure_schema(self.config.migrates_itself)
+                    self._schema_ready = True
+        return self._store
+
+    def startup(self, owner: Owner) -> None:
+        """Worker main process start: validate, check the schema, warn about broker limits."""
+        cfg = self.config
+        _ = self.store
+        log.info(
+            "celery-resilient: store=%s lease=%.0fs heartbeat=%.0fs sweep=%.0fs "
+            "max_attempts=%d durable_submit=%s node=%s incarnation=%s",
+            sanitize_url(cfg.store_url), cfg.lease_seconds, cfg.heartbeat_interval,
+            cfg.sweep_interval, cfg.max_attempts, cfg.durable_submit, owner.node,
+            owner.incarnation, extra={"action": "startup"},
+        )
+        for warning in checks.time_limit_warnings(self.app):
+            log.warning(warning, extra={"action": "config_warning"})
+
+    # -- signal receivers -----------------------------------------------------------------
+
+    def _mine(self, task_app: Any) -> bool:
+        return task_app is self.app
+
+    def _on_task_received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
+        if request is not None and self._mine(request.task.app):
+            receipts.record_received(self, request)
+
+    def _on_before_publish(self, sender: Any = None, body: Any = None,
+                           headers: dict[str, Any] | None = None,
+                           properties: dict[str, Any] | None = None, exchange: str = "",
+                           routing_key: str = "", **_: Any) -> None:
+        if not headers or not self.config.durable_submit or headers.get("resilient_republished"):
+            return
+        task = self.app.tasks.get(headers.get("task", ""))
+        if task is None or not self._mine(task.app):
+            return
+        receipts.record_submitted(self, body, headers, properties or {}, exchange, routing_key)
+
+    def _on_process_init(self, **_: Any) -> None:
+        if self._store is not None:
+            self._store.dispose()  # never reuse the parent's pooled connections

@@ -1,0 +1,39 @@
+"""JSON in and out of the store: the same encoding Celery's ``json`` serializer uses.
+
+kombu's JSON keeps datetimes, dates, UUIDs and Decimals round-trippable; anything else is a
+:class:`SerializationError` naming what could not be stored. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kombu.utils.json import dumps as _dumps
+from kombu.utils.json import loads as _loads
+
+from .errors import SerializationError
+
+
+def encode(value: Any, what: str = "value") -> str:
+    try:
+        text: str = _dumps(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise SerializationError(
+            f"{what} is not JSON-serialisable ({exc}); store plain dicts, lists, strings, "
+            "numbers, booleans, None, datetimes, UUIDs or Decimals"
+        ) from None
+    return text
+
+
+def decode(text: str | None) -> Any:
+    return None if text is None else _loads(text)
+
+
+def digest(value: Any) -> str:
+    """A stable fingerprint of JSON-able arguments (canonical key order)."""
+    import json
+
+    canonical = json.dumps(_loads(encode(value, "task arguments")), sort_keys=True,
+                           separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()

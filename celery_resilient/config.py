@@ -1,0 +1,180 @@
+"""Typed settings, read once from ``app.conf`` (``resilient_*`` keys).
+
+Every setting is documented in ``docs/configuration.md``; an invalid value raises
+:class:`ConfigurationError` naming the key, at startup rather than mid-task.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import ConfigurationError
+
+PREFIX = "resilient_"
+_TABLE_PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
+CATCHUP_POLICIES = ("all", "latest", "skip")
+
+
+def default_store_url() -> str:
+    """An SQLite file in the working directory: durable across restarts, zero setup."""
+    path = os.path.abspath("celery-resilient.sqlite3")
+    return f"sqlite:///{path}"
+
+
+@dataclass(frozen=True)
+class ResilientConfig:
+    """Resolved settings. Field ``x`` is read from ``app.conf.resilient_x``."""
+
+    store_url: str = ""
+    table_prefix: str = "resilient_"
+    auto_migrate: bool | None = None
+    lease_seconds: float = 30.0
+    heartbeat_interval: float = 5.0
+    sweep_interval: float = 5.0
+    max_attempts: int = 5
+    max_checkpoint_bytes: int = 1_048_576
+    store_retry_base: float = 1.0
+    store_retry_max: float = 60.0
+    durable_submit: bool = False
+    submit_timeout: float = 60.0
+    sweep_batch: int = 500
+    catchup: str = "all"
+    catchup_max_slots: int = 1000
+    catchup_deadline: float | None = None
+    context_cache_url: str | None = None
+    context_cache_ttl: float = 86_400.0
+    context_cache_size: int = 10_000
+    context_retention: float | None = None
+
+    @property
+    def migrates_itself(self) -> bool:
+        """SQLite stores migrate on first use unless told not to; servers never do."""
+        if self.auto_migrate is not None:
+            return self.auto_migrate
+        return self.store_url.startswith("sqlite")
+
+    @classmethod
+    def from_mapping(cls, conf: Mapping[str, Any]) -> ResilientConfig:
+        values: dict[str, Any] = {}
+        known = {f.name for f in fields(cls)}
+        for key in conf:
+            if isinstance(key, str) and key.startswith(PREFIX) and key[len(PREFIX):] not in known:
+                raise ConfigurationError(
+                    f"Unknown setting {key!r}; known settings: "
+                    + ", ".join(sorted(PREFIX + k for k in known))
+                )
+        for f in fields(cls):
+            key = PREFIX + f.name
+            value = conf.get(key)
+            if value is None:
+                continue
+            values[f.name] = _coerce(key, value, _CHECKS.get(f.name))
+        config = cls(**values)
+        if not config.store_url:
+            config = _replace(config, store_url=default_store_url())
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ConfigurationError:
+            value = getattr(self, name)
+            return ConfigurationError(f"{PREFIX}{name}={value!r} is invalid: {why}")
+
+        if not _TABLE_PREFIX_RE.match(self.table_prefix):
+            raise bad("table_prefix", "use lowercase letters, digits and _ (max 31 chars)")
+        for name in ("lease_seconds", "heartbeat_interval", "sweep_interval", "submit_timeout",
+                     "store_retry_base", "store_retry_max", "context_cache_ttl"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be a positive number of seconds")
+        if self.heartbeat_interval * 2 > self.lease_seconds:
+            raise bad(
+                "heartbeat_interval",
+                f"must be at most half of resilient_lease_seconds ({self.lease_seconds}) "
+                "so one missed heartbeat does not expire a live worker's leases",
+            )
+        for name in ("max_attempts", "max_checkpoint_bytes", "sweep_batch",
+                     "catchup_max_slots", "context_cache_size"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be a positive integer")
+        if self.catchup not in CATCHUP_POLICIES:
+            raise bad("catchup", f"must be one of {', '.join(CATCHUP_POLICIES)}")
+        if self.catchup_deadline is not None and self.catchup_deadline <= 0:
+            raise bad("catchup_deadline", "must be a positive number of seconds or None")
+        if "://" not in self.store_url:
+            raise bad("store_url", "must be an SQLAlchemy URL such as sqlite:///path.db")
+
+
+def _replace(config: ResilientConfig, **changes: Any) -> ResilientConfig:
+    data = {f.name: getattr(config, f.name) for f in fields(config)}
+    data.update(changes)
+    return ResilientConfig(**data)
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected a boolean")
+
+
+def _as_positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError("expected an integer")
+    return int(value)
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("expected a number")
+    return float(value)
+
+
+def _as_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("expected a string")
+    return value
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "store_url": _as_str,
+    "table_prefix": _as_str,
+    "auto_migrate": _as_bool,
+    "lease_seconds": _as_float,
+    "heartbeat_interval": _as_float,
+    "sweep_interval": _as_float,
+    "max_attempts": _as_positive_int,
+    "max_checkpoint_bytes": _as_positive_int,
+    "store_retry_base": _as_float,
+    "store_retry_max": _as_float,
+    "durable_submit": _as_bool,
+    "submit_timeout": _as_float,
+    "sweep_batch": _as_positive_int,
+    "catchup": _as_str,
+    "catchup_max_slots": _as_positive_int,
+    "catchup_deadline": _as_float,
+    "context_cache_url": _as_str,
+    "context_cache_ttl": _as_float,
+    "context_cache_size": _as_positive_int,
+    "context_retention": _as_float,
+}
+
+
+def _coerce(key: str, value: Any, check: Callable[[Any], Any] | None) -> Any:
+    if check is None:
+        return value
+    try:
+        return check(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"{key}={value!r} is invalid: {exc}") from None
+
+
+def sanitize_url(url: str) -> str:
+    """The URL with its password masked, fit for logs and banners."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)

@@ -1,0 +1,58 @@
+"""Every exception the library raises, under one base.
+
+Each class's docstring is its default message. Constructor arguments equal ``args`` so the
+exceptions survive Celery's pickling of task errors.
+"""
+
+from __future__ import annotations
+
+
+class ResilientError(Exception):
+    """celery-resilient error."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(args or (self.__doc__ or "",)))
+
+
+class ConfigurationError(ResilientError):
+    """Invalid celery-resilient setting."""
+
+
+class StoreUnavailable(ResilientError):
+    """The durable store cannot be reached; the work is retried, not lost."""
+
+
+class SchemaError(ResilientError):
+    """The store's schema is missing or out of date."""
+
+
+class StaleClaimError(ResilientError):
+    """This execution's claim was taken over by a newer one; its writes are refused."""
+
+
+class CheckpointError(ResilientError):
+    """The checkpoint state cannot be stored; the previous checkpoint is unchanged."""
+
+
+class SerializationError(ResilientError):
+    """A value cannot be stored as JSON."""
+
+
+class WorkKeyConflict(ResilientError):
+    """The same work key was sent with different arguments."""
+
+
+class LedgerKeyError(ResilientError):
+    """Invalid ledger key."""
+
+
+class ContextNotFound(ResilientError):
+    """No context is stored under this key."""
+
+
+class ContextConflict(ResilientError):
+    """The context was changed by someone else since it was read."""
+
+
+class ScheduleError(ResilientError):
+    """Invalid schedule entry."""

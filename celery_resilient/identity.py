@@ -1,0 +1,61 @@
+"""Who this process is, for claims: node name, per-start incarnation id, PID.
+
+The incarnation is minted in the worker's main process when it starts and inherited by
+its forked pool processes, so every claim names the exact start that made it. A later start
+of the same node knows at once that claims of any other incarnation are orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+
+from .store.sql import Owner
+
+_incarnation: str = uuid.uuid4().hex
+_active: set[str] = set()
+_active_lock = threading.Lock()
+
+
+def new_incarnation() -> str:
+    """Start a new incarnation (called once as the worker's main process boots)."""
+    global _incarnation
+    _incarnation = uuid.uuid4().hex
+    return _incarnation
+
+
+def incarnation() -> str:
+    return _incarnation
+
+
+def owner(node: str | None) -> Owner:
+    return Owner(node or f"local@{socket.gethostname()}", _incarnation, os.getpid())
+
+
+def enter(work_key: str) -> None:
+    with _active_lock:
+        _active.add(work_key)
+
+
+def leave(work_key: str) -> None:
+    with _active_lock:
+        _active.discard(work_key)
+
+
+def executing_here(work_key: str) -> bool:
+    with _active_lock:
+        return work_key in _active
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

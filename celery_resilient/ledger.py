@@ -1,0 +1,103 @@
+"""The idempotency ledger: global once-per-key effects, and atomic effects in the store's DB."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection
+
+from . import codec
+from .errors import LedgerKeyError
+from .execution import Execution
+from .store.sql import Store
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+MAX_KEY = 255
+
+
+def _check_key(key: object) -> str:
+    if not isinstance(key, str) or not key.strip():
+        raise LedgerKeyError(f"ledger key must be a non-empty string, got {key!r}")
+    if len(key) > MAX_KEY:
+        raise LedgerKeyError(f"ledger key is {len(key)} chars long; the maximum is {MAX_KEY}")
+    return key
+
+
+class AtomicTransaction:
+    """The user's transaction on the store's database, committed with the applied marker.
+
+    ``applied`` is True when this key was already applied by an earlier execution: the body
+    should then skip its writes (they were committed then).
+    """
+
+    def __init__(self, conn: Connection, key: str, applied: bool) -> None:
+        self.connection = conn
+        self.key = key
+        self.applied = applied
+        self.result: Any = None
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        return self.connection.execute(*args, **kwargs)
+
+
+class Ledger:
+    """``once(key, fn)`` and ``atomic(key)``, fenced by the current execution when there is one."""
+
+    def __init__(self, store: Store, execution: Execution | None = None) -> None:
+        self._store = store
+        self._x = execution
+
+    def applied(self, key: str) -> bool:
+        return self._store.ledger_get(_check_key(key)) is not None
+
+    def once(self, key: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Run ``fn`` unless ``key`` is already applied; either way return its result.
+
+        Exactly once for the marker; for an effect outside the store, a crash after ``fn``
+        and before the marker commits replays ``fn`` (make it idempotent, or use ``atomic``).
+        """
+        key = _check_key(key)
+        stored = self._store.ledger_get(key)
+        if stored is not None:
+            log.info("ledger key %s already applied; skipping", key,
+                     extra={"action": "ledger_skipped", "ledger_key": key})
+            result: R = codec.decode(stored)
+            return result
+        result = fn(*args, **kwargs)
+        text = codec.encode(result, f"result for ledger key {key!r}")
+        wk, epoch = (self._x.work_key, self._x.epoch) if self._x else (None, None)
+        if not self._store.ledger_put(key, wk, epoch, text):
+            log.warning("ledger key %s was applied concurrently by other work", key,
+                        extra={"action": "ledger_race", "ledger_key": key})
+            again = self._store.ledger_get(key)
+            return codec.decode(again) if again is not None else result  # type: ignore[no-any-return]
+        return result
+
+    @contextmanager
+    def atomic(self, key: str | None = None) -> Iterator[AtomicTransaction]:
+        """One transaction holding the user's writes and the applied marker for ``key``.
+
+        Use it for effects that live in the store's own database: either both commit or
+        neither does, so a replay finds ``tx.applied`` and skips. ``key`` defaults to the
+        running work key.
+        """
+        if key is None:
+            if self._x is None:
+                raise LedgerKeyError("atomic() outside a task needs an explicit key")
+            key = f"{self._x.work_key}:atomic"
+        key = _check_key(key)
+        with self._store.begin() as conn:
+            if self._x is not None:
+                self._store.fence(conn, self._x.work_key, self._x.epoch)
+            applied = self._store.ledger_get(key, conn) is not None
+            tx = AtomicTransaction(conn, key, applied)
+            yield tx
+            if not applied:
+                wk, epoch = (self._x.work_key, self._x.epoch) if self._x else (None, None)
+                self._store.ledger_mark(conn, key, wk, epoch,
+                                        codec.encode(tx.result, f"result for ledger key {key!r}"),
+                                        fence=False)  # fenced when the transaction began

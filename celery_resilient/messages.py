@@ -1,0 +1,82 @@
+"""The exact broker message of a unit of work, kept in the store so it can be re-sent.
+
+The body is kept as the serialized bytes the broker delivered (base64 when not text), so a
+re-publish is byte-for-byte the original whatever serializer the app uses, and the same task
+id and headers reach the next worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from kombu import Connection
+
+KEEP_PROPERTIES = ("correlation_id", "reply_to", "priority")
+
+
+def from_kombu(message: Any) -> str:
+    """Encode a received ``kombu.Message`` for the store."""
+    body = message.body
+    if isinstance(body, str):
+        body_field: dict[str, str] = {"text": body}
+    else:
+        try:
+            body_field = {"text": bytes(body).decode("utf-8")}
+        except UnicodeDecodeError:
+            body_field = {"b64": base64.b64encode(bytes(body)).decode("ascii")}
+    info = message.delivery_info or {}
+    props = message.properties or {}
+    return json.dumps({
+        "body": body_field,
+        "content_type": message.content_type,
+        "content_encoding": message.content_encoding,
+        "headers": dict(message.headers or {}),
+        "properties": {k: props[k] for k in KEEP_PROPERTIES if props.get(k) is not None},
+        "exchange": info.get("exchange") or "",
+        "routing_key": info.get("routing_key") or "",
+    }, default=str)
+
+
+def from_publish(body: bytes | str, content_type: str, content_encoding: str,
+                 headers: dict[str, Any], properties: dict[str, Any], exchange: str,
+                 routing_key: str) -> str:
+    """Encode a message about to be published (durable submit)."""
+    if isinstance(body, bytes):
+        try:
+            body_field = {"text": body.decode("utf-8")}
+        except UnicodeDecodeError:
+            body_field = {"b64": base64.b64encode(body).decode("ascii")}
+    else:
+        body_field = {"text": body}
+    return json.dumps({
+        "body": body_field,
+        "content_type": content_type,
+        "content_encoding": content_encoding,
+        "headers": headers,
+        "properties": {k: properties[k] for k in KEEP_PROPERTIES if properties.get(k) is not None},
+        "exchange": exchange or "",
+        "routing_key": routing_key or "",
+    }, default=str)
+
+
+def publish(connection: Connection, message_json: str, extra_headers: dict[str, Any]) -> None:
+    """Send a stored message again, unchanged but for ``extra_headers``."""
+    m = json.loads(message_json)
+    body_field = m["body"]
+    body: bytes | str = (base64.b64decode(body_field["b64"]) if "b64" in body_field
+                         else body_field["text"])
+    headers = {**m.get("headers", {}), **extra_headers}
+    producer = connection.Producer()
+    producer.publish(
+        body,
+        exchange=m.get("exchange", ""),
+        routing_key=m.get("routing_key", ""),
+        headers=headers,
+        content_type=m.get("content_type"),
+        content_encoding=m.get("content_encoding"),
+        retry=True,
+        retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5},
+        **m.get("properties", {}),
+    )

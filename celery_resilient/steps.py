@@ -1,0 +1,35 @@
+"""Durable steps: a named piece of a task that runs once per work key, its result memoized."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from . import codec
+from .errors import ResilientError
+from .execution import Execution
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+def run_step(x: Execution, name: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """Return the stored result of step ``name``, or run ``fn`` and store its result.
+
+    The result is recorded (fenced) right after ``fn`` returns. A crash between the two
+    runs ``fn`` again on the replay: make ``fn`` idempotent for effects outside the store
+    (pass ``self.fencing_token`` or the work key to the other system) or use the ledger's
+    ``atomic()`` when the effect is a write to the store's own database.
+    """
+    if not isinstance(name, str) or not name or len(name) > 255:
+        raise ResilientError(f"step name must be a non-empty string of <= 255 chars, got {name!r}")
+    stored = x.store.get_step(x.work_key, name)
+    if stored is not None:
+        log.info("step %s of %s already applied; returning its stored result", name, x.work_key,
+                 extra={"action": "step_replayed", "work_key": x.work_key, "step": name})
+        result: R = codec.decode(stored)
+        return result
+    result = fn(*args, **kwargs)
+    x.store.put_step(x.work_key, x.epoch, name, codec.encode(result, f"result of step {name!r}"))
+    return result

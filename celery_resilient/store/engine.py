@@ -1,0 +1,81 @@
+"""One SQLAlchemy engine per process, created on first use and dropped after fork.
+
+A prefork pool child must never reuse the parent's pooled connections, so the engine is keyed
+by PID: a forked child builds its own, and the inherited pool is discarded without closing
+the parent's sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def _sqlite_engine(url: str) -> Engine:
+    engine = create_engine(
+        url,
+        connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None,
+                      "check_same_thread": False},
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process crashes
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        # Take the write lock up front: no deadlock upgrading a read lock mid-transaction.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def build_engine(url: str) -> Engine:
+    if make_url(url).get_backend_name() == "sqlite":
+        return _sqlite_engine(url)
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5,
+                         connect_args=_connect_args(url))
+
+
+def _connect_args(url: str) -> dict[str, Any]:
+    if make_url(url).get_backend_name() == "postgresql":
+        return {"connect_timeout": 5}
+    return {}
+
+
+class EngineHolder:
+    """Lazily built, fork-aware engine for one URL."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._engine: Engine | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def get(self) -> Engine:
+        pid = os.getpid()
+        if self._engine is None or self._pid != pid:
+            with self._lock:
+                if self._engine is None or self._pid != pid:
+                    if self._engine is not None:
+                        self._engine.dispose(close=False)  # inherited: leave parent's sockets
+                    self._engine = build_engine(self.url)
+                    self._pid = pid
+        return self._engine
+
+    def dispose(self) -> None:
+        with self._lock:
+            if self._engine is not None and self._pid == os.getpid():
+                self._engine.dispose()
+            self._engine = None

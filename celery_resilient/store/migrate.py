@@ -1,0 +1,83 @@
+"""Schema migrations through Alembic, and the startup check that the schema is current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine
+
+from ..errors import SchemaError
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+FIX_COMMAND = "celery -A <your app> resilient migrate"
+_current_prefix: list[str] = []
+
+
+def table_prefix() -> str:
+    """The prefix of the migration being run; read by revision scripts."""
+    return _current_prefix[-1]
+
+
+def _config(prefix: str, connection: Connection | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.attributes["table_prefix"] = prefix
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(_config("x")).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(engine: Engine, prefix: str) -> str | None:
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"version_table": f"{prefix}alembic_version"})
+        rev: str | None = ctx.get_current_revision()
+        conn.rollback()
+        return rev
+
+
+def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
+    with engine.begin() as conn:
+        _current_prefix.append(prefix)
+        try:
+            command.upgrade(_config(prefix, conn), revision)
+        finally:
+            _current_prefix.pop()
+
+
+def downgrade(engine: Engine, prefix: str, revision: str) -> None:
+    with engine.begin() as conn:
+        _current_prefix.append(prefix)
+        try:
+            command.downgrade(_config(prefix, conn), revision)
+        finally:
+            _current_prefix.pop()
+
+
+def check(engine: Engine, prefix: str, migrate_if_needed: bool) -> None:
+    """Fail clearly on a missing or outdated schema, or bring it up to date when allowed."""
+    current = current_revision(engine, prefix)
+    head = head_revision()
+    if current == head:
+        return
+    if migrate_if_needed:
+        upgrade(engine, prefix)
+        return
+    state = "missing" if current is None else f"at revision {current}, expected {head}"
+    raise SchemaError(
+        f"The celery-resilient schema (tables {prefix}*) is {state}. "
+        f"Run `{FIX_COMMAND}` (or set resilient_auto_migrate=True)."
+    )
+
+
+def describe(engine: Engine, prefix: str) -> dict[str, Any]:
+    return {"current": current_revision(engine, prefix), "head": head_revision()}

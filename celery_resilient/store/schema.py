@@ -1,0 +1,137 @@
+"""The store's tables, defined once. Migrations create exactly this (a test diffs them).
+
+Times are float seconds since the epoch taken from the database's clock, so leases never
+depend on a worker's clock. JSON payloads are text written by :mod:`celery_resilient.codec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+)
+
+KEY = 255  # work keys, ledger keys, entry names: indexable on every dialect
+
+# Work states. ``reserved``: received by a worker, not started; ``running``: taken by a pool
+# process; ``requeued``: re-published or submitted, waiting for a worker; ``done``/``failed``:
+# finished; ``dead``: exceeded resilient_max_attempts deaths and is not run again.
+RESERVED, RUNNING, REQUEUED, DONE, FAILED, DEAD = (
+    "reserved", "running", "requeued", "done", "failed", "dead",
+)
+OPEN_STATES = (RESERVED, RUNNING, REQUEUED)
+
+
+@dataclass(frozen=True)
+class Tables:
+    metadata: MetaData
+    work: Table
+    checkpoints: Table
+    steps: Table
+    ledger: Table
+    schedule_runs: Table
+    schedule_markers: Table
+    contexts: Table
+    workers: Table
+
+
+def build_tables(prefix: str = "resilient_") -> Tables:
+    md = MetaData()
+    p = prefix
+    work = Table(
+        f"{p}work", md,
+        Column("work_key", String(KEY), primary_key=True),
+        Column("task_name", String(KEY), nullable=False),
+        Column("task_id", String(KEY), nullable=False),
+        Column("args_digest", String(64), nullable=True),
+        Column("state", String(16), nullable=False),
+        Column("epoch", BigInteger, nullable=False, default=0),
+        Column("owner_node", String(KEY), nullable=True),
+        Column("incarnation", String(64), nullable=True),
+        Column("owner_pid", Integer, nullable=True),
+        Column("lease_expires_at", Float, nullable=True),
+        Column("attempts", Integer, nullable=False, default=0),
+        Column("deaths", Integer, nullable=False, default=0),
+        Column("republished", Integer, nullable=False, default=0),
+        Column("message_json", Text, nullable=True),
+        Column("result_json", Text, nullable=True),
+        Column("error", Text, nullable=True),
+        Column("created_at", Float, nullable=False),
+        Column("updated_at", Float, nullable=False),
+        Column("finished_at", Float, nullable=True),
+        Index(f"ix_{p}work_state_lease", "state", "lease_expires_at"),
+        Index(f"ix_{p}work_incarnation", "incarnation"),
+    )
+    checkpoints = Table(
+        f"{p}checkpoints", md,
+        Column("work_key", String(KEY), primary_key=True),
+        Column("epoch", BigInteger, nullable=False),
+        Column("seq", BigInteger, nullable=False),
+        Column("state_json", Text, nullable=False),
+        Column("updated_at", Float, nullable=False),
+    )
+    steps = Table(
+        f"{p}steps", md,
+        Column("work_key", String(KEY), nullable=False),
+        Column("name", String(KEY), nullable=False),
+        Column("epoch", BigInteger, nullable=False),
+        Column("result_json", Text, nullable=False),
+        Column("created_at", Float, nullable=False),
+        PrimaryKeyConstraint("work_key", "name", name=f"pk_{p}steps"),
+    )
+    ledger = Table(
+        f"{p}ledger", md,
+        Column("key", String(KEY), primary_key=True),
+        Column("work_key", String(KEY), nullable=True),
+        Column("epoch", BigInteger, nullable=True),
+        Column("result_json", Text, nullable=False),
+        Column("applied_at", Float, nullable=False),
+    )
+    schedule_runs = Table(
+        f"{p}schedule_runs", md,
+        Column("entry", String(KEY), nullable=False),
+        Column("slot", Float, nullable=False),
+        Column("state", String(16), nullable=False),
+        Column("task_id", String(KEY), nullable=False),
+        Column("owner", String(KEY), nullable=True),
+        Column("claimed_at", Float, nullable=False),
+        Column("sent_at", Float, nullable=True),
+        PrimaryKeyConstraint("entry", "slot", name=f"pk_{p}schedule_runs"),
+        Index(f"ix_{p}schedule_runs_state", "state"),
+    )
+    schedule_markers = Table(
+        f"{p}schedule_markers", md,
+        Column("entry", String(KEY), primary_key=True),
+        Column("last_slot", Float, nullable=False),
+        Column("definition_json", Text, nullable=True),
+        Column("updated_at", Float, nullable=False),
+    )
+    contexts = Table(
+        f"{p}contexts", md,
+        Column("key", String(KEY), primary_key=True),
+        Column("version", BigInteger, nullable=False),
+        Column("data_json", Text, nullable=False),
+        Column("updated_at", Float, nullable=False),
+    )
+    workers = Table(
+        f"{p}workers", md,
+        Column("incarnation", String(64), primary_key=True),
+        Column("node", String(KEY), nullable=False),
+        Column("pid", Integer, nullable=False),
+        Column("started_at", Float, nullable=False),
+        Column("heartbeat_at", Float, nullable=False),
+        Column("stopped_at", Float, nullable=True),
+        Index(f"ix_{p}workers_node", "node"),
+    )
+    return Tables(md, work, checkpoints, steps, ledger, schedule_runs, schedule_markers,
+                  contexts, workers)

@@ -1,0 +1,528 @@
+"""Every query the library runs. Callers see plain dataclasses, never SQL.
+
+Fencing: each write made on behalf of an execution first "touches" its claim row with a guard
+on ``epoch`` and ``state = 'running'`` inside the same transaction. If another execution took
+the work over (epoch bumped) the touch matches no row and the whole write is refused with
+:class:`StaleClaimError`. On PostgreSQL the touched row stays locked until commit, so a takeover
+cannot slip in between the check and the write; on SQLite ``BEGIN IMMEDIATE`` serialises writers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+from sqlalchemy import Connection, Engine, Row, and_, delete, func, or_, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from ..errors import StaleClaimError, StoreUnavailable, WorkKeyConflict
+from . import migrate
+from .dialect import Dialect
+from .engine import EngineHolder
+from .schema import DEAD, DONE, FAILED, OPEN_STATES, RESERVED, RUNNING, REQUEUED, build_tables
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def guarded(fn: Callable[P, T]) -> Callable[P, T]:
+    """Turn a lost or refused database connection into :class:`StoreUnavailable`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except OperationalError as exc:
+            raise StoreUnavailable(f"store unreachable during {fn.__name__}: {exc.orig}") from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise StoreUnavailable(f"store connection lost during {fn.__name__}") from exc
+            raise
+
+    return wrapper
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds a claim: worker node name, per-start incarnation id, and process id."""
+
+    node: str
+    incarnation: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    work_key: str
+    epoch: int
+    attempts: int
+    deaths: int
+
+
+@dataclass(frozen=True)
+class TakeOutcome:
+    """What a pool process should do with a delivery.
+
+    ``run``: execute under ``claim``; ``done``: return ``result`` without running; ``held``: a
+    live execution owns it, run nothing; ``dead``: exceeded the death cap; ``duplicate``: this
+    very message already failed and is not re-run.
+    """
+
+    action: str
+    claim: Claim | None = None
+    result_json: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Orphan:
+    work_key: str
+    task_id: str
+    task_name: str
+    message_json: str | None
+    previous_state: str
+    previous_owner: str | None
+
+
+@dataclass(frozen=True)
+class WorkRow:
+    work_key: str
+    task_name: str
+    task_id: str
+    state: str
+    epoch: int
+    owner_node: str | None
+    incarnation: str | None
+    lease_expires_at: float | None
+    attempts: int
+    deaths: int
+    republished: int
+    result_json: str | None
+    error: str | None
+    created_at: float
+    updated_at: float
+
+
+class Store:
+    """The durable store: claims, checkpoints, steps, ledger, contexts, schedule records."""
+
+    def __init__(self, url: str, table_prefix: str = "resilient_") -> None:
+        self.url = url
+        self.prefix = table_prefix
+        self._engine = EngineHolder(url)
+        from sqlalchemy.engine import make_url
+
+        self.dialect = Dialect(make_url(url).get_backend_name())
+        self.t = build_tables(table_prefix)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine.get()
+
+    def dispose(self) -> None:
+        self._engine.dispose()
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    @guarded
+    def ensure_schema(self, migrate_if_needed: bool) -> None:
+        migrate.check(self.engine, self.prefix, migrate_if_needed)
+
+    @guarded
+    def migrate(self) -> None:
+        migrate.upgrade(self.engine, self.prefix)
+
+    @guarded
+    def now(self) -> float:
+        with self.engine.connect() as conn:
+            value = conn.execute(select(self.dialect.now())).scalar_one()
+            conn.rollback()
+        return float(value)
+
+    def fence(self, conn: Connection, work_key: str, epoch: int) -> None:
+        """Refuse the transaction unless ``epoch`` still holds the running claim."""
+        w = self.t.work
+        res = conn.execute(
+            update(w)
+            .where(w.c.work_key == work_key, w.c.epoch == epoch, w.c.state == RUNNING)
+            .values(updated_at=self.dialect.now())
+        )
+        if res.rowcount != 1:
+            raise StaleClaimError(
+                f"claim on work {work_key!r} at epoch {epoch} was superseded; write refused"
+            )
+
+    # -- claims -----------------------------------------------------------------------------
+
+    @guarded
+    def record_receipt(
+        self, work_key: str, task_name: str, task_id: str, args_digest: str | None,
+        message_json: str | None, owner: Owner, lease_seconds: float,
+    ) -> None:
+        """Remember a delivered message (running or prefetched) as reserved by ``owner``."""
+        w = self.t.work
+        now = self.dialect.now()
+        ins = self.dialect.insert(w).values(
+            work_key=work_key, task_name=task_name, task_id=task_id, args_digest=args_digest,
+            state=RESERVED, epoch=0, owner_node=owner.node, incarnation=owner.incarnation,
+            owner_pid=None, lease_expires_at=now + lease_seconds, attempts=0, deaths=0,
+            republished=0, message_json=message_json, created_at=now, updated_at=now,
+        )
+        excluded = ins.excluded
+        stmt = ins.on_conflict_do_update(
+            index_elements=[w.c.work_key],
+            set_={
+                "owner_node": excluded.owner_node,
+                "incarnation": excluded.incarnation,
+                "owner_pid": None,
+                "lease_expires_at": excluded.lease_expires_at,
+                "state": RESERVED,
+                "task_id": excluded.task_id,
+                "message_json": func.coalesce(excluded.message_json, w.c.message_json),
+                "updated_at": excluded.updated_at,
+            },
+            where=w.c.state.in_((RESERVED, REQUEUED)),
+        )
+        with self.begin() as conn:
+            conn.execute(stmt)
+
+    @guarded
+    def record_submission(
+        self, work_key: str, task_name: str, task_id: str, args_digest: str | None,
+        message_json: str, timeout: float,
+    ) -> None:
+        """Durable submit: the message is in the store before the broker sees it."""
+        w = self.t.work
+        now = self.dialect.now()
+        stmt = self.dialect.insert(w).values(
+            work_key=work_key, task_name=task_name, task_id=task_id, args_digest=args_digest,
+            state=REQUEUED, epoch=0, lease_expires_at=now + timeout, attempts=0, deaths=0,
+            republished=0, message_json=message_json, created_at=now, updated_at=now,
+        ).on_conflict_do_nothing(index_elements=[w.c.work_key])
+        with self.begin() as conn:
+            conn.execute(stmt)
+
+    @guarded
+    def take(
+        self, work_key: str, task_name: str, task_id: str, args_digest: str | None,
+        owner: Owner, lease_seconds: float, max_attempts: int,
+        is_live: Callable[[str | None, str | None, int | None], bool],
+        supersedes: int | None = None,
+    ) -> TakeOutcome:
+        """Claim ``work_key`` for one execution (epoch + 1), or say why it must not run.
+
+        ``is_live(node, incarnation, pid)`` tells whether an execution recorded by this very
+        worker incarnation is still alive; other owners are judged by their lease.
+        ``supersedes`` is the epoch a re-sent message was sent to replace (store outage).
+        """
+        w = self.t.work
+        for _ in range(3):
+            try:
+                with self.begin() as conn:
+                    return self._take(conn, work_key, task_name, task_id, args_digest, owner,
+                                      lease_seconds, max_attempts, is_live, supersedes)
+            except IntegrityError:
+                continue  # a concurrent first insert of the same key: read it again
+        raise StoreUnavailable(f"could not claim work {work_key!r} ({w.name} kept changing)")
+
+    def _take(
+        self, conn: Connection, work_key: str, task_name: str, task_id: str,
+        args_digest: str | None, owner: Owner, lease_seconds: float, max_attempts: int,
+        is_live: Callable[[str | None, str | None, int | None], bool],
+        supersedes: int | None,
+    ) -> TakeOutcome:
+        w = self.t.work
+        now = self.dialect.now()
+        row = conn.execute(
+            select(w, self.dialect.now().label("db_now"))
+            .where(w.c.work_key == work_key)
+            .with_for_update()
+        ).first()
+        if row is None:
+            conn.execute(w.insert().values(
+                work_key=work_key, task_name=task_name, task_id=task_id,
+                args_digest=args_digest, state=RUNNING, epoch=1, owner_node=owner.node,
+                incarnation=owner.incarnation, owner_pid=owner.pid,
+                lease_expires_at=now + lease_seconds, attempts=1, deaths=0, republished=0,
+                created_at=now, updated_at=now,
+            ))
+            return TakeOutcome("run", Claim(work_key, 1, 1, 0))
+        if args_digest and row.args_digest and args_digest != row.args_digest:
+            raise WorkKeyConflict(
+                f"work key {work_key!r} was already used by task {row.task_id} with different "
+                "arguments; derive work keys from everything that makes the work distinct"
+            )
+        if row.state == DONE:
+            return TakeOutcome("done", result_json=row.result_json)
+        if row.state == DEAD:
+            return TakeOutcome("dead", reason=row.error or "")
+        if row.state == FAILED and row.task_id == task_id:
+            return TakeOutcome("duplicate", reason="this message already failed")
+        died = False
+        if row.state == RUNNING:
+            if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
+                return TakeOutcome("held", reason=f"running on {row.owner_node} (epoch {row.epoch})")
+            died = True
+        deaths = row.deaths + (1 if died else 0)
+        if deaths >= max_attempts:
+            reason = f"its execution died {deaths} times (resilient_max_attempts={max_attempts})"
+            conn.execute(update(w).where(w.c.work_key == work_key).values(
+                state=DEAD, deaths=deaths, error=reason, owner_pid=None, lease_expires_at=None,
+                updated_at=now, finished_at=now,
+            ))
+            return TakeOutcome("dead", reason=reason)
+        epoch = row.epoch + 1
+        conn.execute(update(w).where(w.c.work_key == work_key).values(
+            state=RUNNING, epoch=epoch, owner_node=owner.node, incarnation=owner.incarnation,
+            owner_pid=owner.pid, lease_expires_at=now + lease_seconds,
+            attempts=row.attempts + 1, deaths=deaths, task_id=task_id, error=None,
+            args_digest=func.coalesce(w.c.args_digest, args_digest), updated_at=now,
+        ))
+        return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths))
+
+    @staticmethod
+    def _running_elsewhere(
+        row: Row[Any], owner: Owner,
+        is_live: Callable[[str | None, str | None, int | None], bool],
+    ) -> bool:
+        if row.incarnation == owner.incarnation:
+            return is_live(row.owner_node, row.incarnation, row.owner_pid)
+        if row.owner_node == owner.node:
+            return False  # an earlier start of this very node: it is gone
+        return bool(row.lease_expires_at is not None and row.lease_expires_at > row.db_now)
+
+    @guarded
+    def finish(self, work_key: str, epoch: int, result_json: str | None) -> None:
+        """Result and ``done`` together, before the broker ack; a stale epoch changes nothing."""
+        self._close(work_key, epoch, DONE, result_json=result_json)
+
+    @guarded
+    def fail(self, work_key: str, epoch: int, error: str) -> None:
+        self._close(work_key, epoch, FAILED, error=error[:4000])
+
+    @guarded
+    def release(self, work_key: str, epoch: int, hold_seconds: float) -> None:
+        """Hand the work back (a retry was published); the sweeper re-sends it if it vanishes."""
+        w = self.t.work
+        now = self.dialect.now()
+        with self.begin() as conn:
+            self.fence(conn, work_key, epoch)
+            conn.execute(update(w).where(w.c.work_key == work_key).values(
+                state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
+                lease_expires_at=now + hold_seconds, updated_at=now,
+            ))
+
+    def _close(self, work_key: str, epoch: int, state: str, result_json: str | None = None,
+               error: str | None = None) -> None:
+        w = self.t.work
+        now = self.dialect.now()
+        with self.begin() as conn:
+            res = conn.execute(
+                update(w)
+                .where(w.c.work_key == work_key, w.c.epoch == epoch, w.c.state == RUNNING)
+                .values(state=state, result_json=result_json, error=error, owner_pid=None,
+                        lease_expires_at=None, updated_at=now, finished_at=now)
+            )
+            if res.rowcount != 1:
+                raise StaleClaimError(
+                    f"claim on work {work_key!r} at epoch {epoch} was superseded; "
+                    f"its {state} result was not recorded"
+                )
+
+    @guarded
+    def heartbeat(self, owner: Owner, lease_seconds: float) -> int:
+        """Renew every lease this incarnation holds, in one statement; return how many."""
+        w, wk = self.t.work, self.t.workers
+        now = self.dialect.now()
+        with self.begin() as conn:
+            renewed = conn.execute(
+                update(w)
+                .where(w.c.incarnation == owner.incarnation, w.c.state.in_((RESERVED, RUNNING)))
+                .values(lease_expires_at=now + lease_seconds)
+            ).rowcount
+            ins = self.dialect.insert(wk).values(
+                incarnation=owner.incarnation, node=owner.node, pid=owner.pid,
+                started_at=now, heartbeat_at=now,
+            )
+            conn.execute(ins.on_conflict_do_update(
+                index_elements=[wk.c.incarnation], set_={"heartbeat_at": now}))
+        return int(renewed)
+
+    @guarded
+    def mark_stopped(self, owner: Owner, hold_seconds: float) -> None:
+        """A clean stop: prefetched claims go back to ``requeued``.
+
+        The broker redelivers them itself on a clean stop; if it does not within
+        ``hold_seconds``, the sweeper re-publishes them.
+        """
+        w, wk = self.t.work, self.t.workers
+        now = self.dialect.now()
+        with self.begin() as conn:
+            conn.execute(update(w).where(w.c.incarnation == owner.incarnation,
+                                         w.c.state == RESERVED)
+                         .values(state=REQUEUED, owner_node=None, incarnation=None,
+                                 lease_expires_at=now + hold_seconds, updated_at=now))
+            conn.execute(update(wk).where(wk.c.incarnation == owner.incarnation)
+                         .values(stopped_at=now))
+
+    @guarded
+    def claim_orphans(self, owner: Owner, limit: int, hold_seconds: float) -> list[Orphan]:
+        """Take back work whose owner is gone, and mark it re-published.
+
+        Orphans are claims of this node's earlier incarnations (at once) and any open claim
+        whose lease expired. Rows locked by another sweeper are skipped (PostgreSQL), so two
+        sweepers never re-publish the same orphan in one round. The caller publishes after this
+        commits; if it crashes first, the new lease expires and a later sweep sends it again.
+        """
+        w = self.t.work
+        now = self.dialect.now()
+        earlier_self = and_(w.c.owner_node == owner.node, w.c.incarnation != owner.incarnation)
+        with self.begin() as conn:
+            rows = conn.execute(
+                select(w.c.work_key, w.c.task_id, w.c.task_name, w.c.message_json, w.c.state,
+                       w.c.owner_node, w.c.deaths)
+                .where(w.c.state.in_(OPEN_STATES),
+                       or_(w.c.lease_expires_at < now, earlier_self))
+                .order_by(w.c.created_at)
+                .limit(limit)
+                .with_for_update(**self.dialect.lock_kwargs())
+            ).all()
+            for r in rows:
+                conn.execute(update(w).where(w.c.work_key == r.work_key).values(
+                    state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
+                    lease_expires_at=now + hold_seconds, republished=w.c.republished + 1,
+                    deaths=w.c.deaths + (1 if r.state == RUNNING else 0), updated_at=now,
+                ))
+        return [Orphan(r.work_key, r.task_id, r.task_name, r.message_json, r.state,
+                       r.owner_node) for r in rows]
+
+    # -- reads for operators and tests ----------------------------------------------------
+
+    @guarded
+    def get_work(self, work_key: str) -> WorkRow | None:
+        w = self.t.work
+        with self.engine.connect() as conn:
+            row = conn.execute(select(w).where(w.c.work_key == work_key)).first()
+            conn.rollback()
+        return None if row is None else _work_row(row)
+
+    @guarded
+    def list_work(self, state: str | None = None, limit: int = 1000) -> list[WorkRow]:
+        w = self.t.work
+        q = select(w).order_by(w.c.created_at).limit(limit)
+        if state:
+            q = q.where(w.c.state == state)
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+            conn.rollback()
+        return [_work_row(r) for r in rows]
+
+    @guarded
+    def count_by_state(self) -> dict[str, int]:
+        w = self.t.work
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(w.c.state, func.count()).group_by(w.c.state)).all()
+            conn.rollback()
+        return {str(s): int(n) for s, n in rows}
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    @guarded
+    def load_checkpoint(self, work_key: str) -> tuple[str, int] | None:
+        c = self.t.checkpoints
+        with self.engine.connect() as conn:
+            row = conn.execute(select(c.c.state_json, c.c.seq).where(c.c.work_key == work_key)).first()
+            conn.rollback()
+        return None if row is None else (row.state_json, int(row.seq))
+
+    @guarded
+    def save_checkpoint(self, work_key: str, epoch: int, state_json: str) -> int:
+        c = self.t.checkpoints
+        now = self.dialect.now()
+        ins = self.dialect.insert(c).values(
+            work_key=work_key, epoch=epoch, seq=1, state_json=state_json, updated_at=now)
+        stmt = ins.on_conflict_do_update(
+            index_elements=[c.c.work_key],
+            set_={"epoch": epoch, "seq": c.c.seq + 1, "state_json": state_json, "updated_at": now},
+        ).returning(c.c.seq)
+        with self.begin() as conn:
+            self.fence(conn, work_key, epoch)
+            return int(conn.execute(stmt).scalar_one())
+
+    @guarded
+    def clear_checkpoint(self, work_key: str, epoch: int) -> None:
+        c = self.t.checkpoints
+        with self.begin() as conn:
+            self.fence(conn, work_key, epoch)
+            conn.execute(delete(c).where(c.c.work_key == work_key))
+
+    # -- steps ------------------------------------------------------------------------------
+
+    @guarded
+    def get_step(self, work_key: str, name: str) -> str | None:
+        s = self.t.steps
+        with self.engine.connect() as conn:
+            value = conn.execute(
+                select(s.c.result_json).where(s.c.work_key == work_key, s.c.name == name)
+            ).scalar_one_or_none()
+            conn.rollback()
+        return value
+
+    @guarded
+    def put_step(self, work_key: str, epoch: int, name: str, result_json: str) -> None:
+        s = self.t.steps
+        with self.begin() as conn:
+            self.fence(conn, work_key, epoch)
+            conn.execute(s.insert().values(work_key=work_key, name=name, epoch=epoch,
+                                           result_json=result_json,
+                                           created_at=self.dialect.now()))
+
+    # -- ledger -----------------------------------------------------------------------------
+
+    @guarded
+    def ledger_get(self, key: str, conn: Connection | None = None) -> str | None:
+        lg = self.t.ledger
+        q = select(lg.c.result_json).where(lg.c.key == key)
+        if conn is not None:
+            return conn.execute(q).scalar_one_or_none()
+        with self.engine.connect() as c:
+            value = c.execute(q).scalar_one_or_none()
+            c.rollback()
+        return value
+
+    def ledger_mark(self, conn: Connection, key: str, work_key: str | None, epoch: int | None,
+                    result_json: str, fence: bool = True) -> bool:
+        """Record ``key`` as applied inside ``conn``'s transaction; False if it already was."""
+        lg = self.t.ledger
+        if fence and work_key is not None and epoch is not None:
+            self.fence(conn, work_key, epoch)
+        stmt = self.dialect.insert(lg).values(
+            key=key, work_key=work_key, epoch=epoch, result_json=result_json,
+            applied_at=self.dialect.now(),
+        ).on_conflict_do_nothing(index_elements=[lg.c.key])
+        return bool(conn.execute(stmt).rowcount == 1)
+
+    @guarded
+    def ledger_put(self, key: str, work_key: str | None, epoch: int | None,
+                   result_json: str) -> bool:
+        with self.begin() as conn:
+            return self.ledger_mark(conn, key, work_key, epoch, result_json)
+
+
+def _work_row(row: Row[Any]) -> WorkRow:
+    return WorkRow(
+        row.work_key, row.task_name, row.task_id, row.state, int(row.epoch), row.owner_node,
+        row.incarnation, row.lease_expires_at, int(row.attempts), int(row.deaths),
+        int(row.republished), row.result_json, row.error, float(row.created_at),
+        float(row.updated_at),
+    )

@@ -1,0 +1,255 @@
+"""ResumableTask: lifecycle glue between Celery's task protocol and the durable store.
+
+No SQL lives here. A delivery is claimed (epoch + 1) before the body runs; the body's
+checkpoints, steps and ledger writes are fenced by that epoch; the result and the ``done``
+state commit together before Celery acknowledges the message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
+
+from . import codec, identity, workkey
+from .checkpoint import Checkpoint
+from .errors import ResilientError, StaleClaimError, StoreUnavailable
+from .execution import Execution
+from .ledger import Ledger
+from .steps import run_step
+
+if TYPE_CHECKING:
+    from .app import Resilient
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+SUPERSEDES_HEADER = "resilient_supersedes"
+SCHEDULED_FOR_HEADER = "resilient_scheduled_for"
+
+
+class WorkDead(ResilientError):
+    """The work died with its worker too many times and is parked as ``dead``."""
+
+
+class ResumableTask(Task):  # type: ignore[misc]
+    """Base class for tasks that survive any restart, ``kill -9`` included.
+
+    Sets ``acks_late`` and ``reject_on_worker_lost`` so the broker keeps the message until
+    the work is recorded done; everything else is in the store.
+    """
+
+    acks_late = True
+    reject_on_worker_lost = True
+
+    # -- hooks users may override ---------------------------------------------------------
+
+    def derive_work_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Return a logical work key for these arguments, or None to use the task id.
+
+        Override to make two messages for the same work (a double send, a retried request)
+        run once: for example ``return f"invoice:{args[0]}"``.
+        """
+        return None
+
+    def on_resume(self, attempt: int) -> None:
+        """Called before the body when this work ran before and did not finish."""
+
+    # -- what task bodies use --------------------------------------------------------------
+
+    @property
+    def resilient(self) -> Resilient:
+        from .app import Resilient
+
+        return Resilient.of(self.app)
+
+    @property
+    def execution(self) -> Execution:
+        x: Execution | None = getattr(self.request, "resilient_execution", None)
+        if x is None:
+            raise ResilientError(
+                f"{self.name}: checkpoints, steps and the work key exist only while the task "
+                "runs under a worker or apply(), not when it is called directly"
+            )
+        return x
+
+    @property
+    def work_key(self) -> str:
+        return self.execution.work_key
+
+    @property
+    def fencing_token(self) -> int:
+        """The claim's epoch: grows with every takeover; hand it to systems that can fence."""
+        return self.execution.epoch
+
+    @property
+    def attempt(self) -> int:
+        return self.execution.attempts
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        handle: Checkpoint | None = getattr(self.request, "resilient_checkpoint", None)
+        if handle is None:
+            handle = Checkpoint(self.execution)
+            self.request.resilient_checkpoint = handle
+        return handle
+
+    @property
+    def ledger(self) -> Ledger:
+        return Ledger(self.execution.store, self.execution)
+
+    def step(self, name: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        return run_step(self.execution, name, fn, *args, **kwargs)
+
+    @property
+    def scheduled_for(self) -> datetime | None:
+        """The beat slot this run serves (aware datetime), or None if it was not scheduled."""
+        value = _header(self.request, SCHEDULED_FOR_HEADER)
+        return datetime.fromisoformat(value) if isinstance(value, str) else None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        req = self.request
+        if req.called_directly or not req.id:
+            return super().__call__(*args, **kwargs)
+        rt = self.resilient
+        work_key = self._work_key_for(req.id, args, kwargs)
+        who = identity.owner(req.hostname)
+        try:
+            outcome = rt.store.take(
+                work_key, self.name, req.id, _digest_or_none(args, kwargs), who,
+                rt.config.lease_seconds, rt.config.max_attempts,
+                is_live=_is_live_here(work_key, who.pid),
+                supersedes=_as_int(_header(req, SUPERSEDES_HEADER)),
+            )
+        except StoreUnavailable as exc:
+            self._retry_store_down(exc, None)
+        ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
+        if outcome.action == "done":
+            log.info("work %s already done; returning its stored result", work_key,
+                     extra={"action": "duplicate_skipped", **ctx})
+            return codec.decode(outcome.result_json)
+        if outcome.action in ("held", "duplicate"):
+            log.info("work %s not run: %s", work_key, outcome.reason,
+                     extra={"action": "duplicate_skipped", **ctx})
+            raise Ignore()
+        if outcome.action == "dead":
+            log.error("work %s is dead: %s", work_key, outcome.reason,
+                      extra={"action": "dead", **ctx})
+            raise WorkDead(f"work {work_key!r} is dead: {outcome.reason}")
+        assert outcome.claim is not None
+        claim = outcome.claim
+        req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
+                                            claim.attempts)
+        req.resilient_checkpoint = None
+        identity.enter(work_key)
+        try:
+            return self._run_claimed(rt, claim.epoch, ctx, args, kwargs)
+        finally:
+            identity.leave(work_key)
+            req.resilient_execution = None
+
+    def _run_claimed(self, rt: Resilient, epoch: int, ctx: dict[str, Any],
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        work_key = ctx["work_key"]
+        if self.execution.attempts > 1:
+            log.info("resuming work %s (attempt %d)", work_key, self.execution.attempts,
+                     extra={"action": "resumed", **ctx})
+            self.on_resume(self.execution.attempts)
+        try:
+            result = self.run(*args, **kwargs)
+            rt.store.finish(work_key, epoch, codec.encode(result, f"result of {self.name}"))
+            return result
+        except Retry:
+            raise
+        except StaleClaimError as exc:
+            log.warning("fenced: %s", exc, extra={"action": "fenced", **ctx})
+            raise Ignore() from exc
+        except StoreUnavailable as exc:
+            self._retry_store_down(exc, epoch)
+        except Exception as exc:
+            try:
+                rt.store.fail(work_key, epoch, f"{type(exc).__name__}: {exc}")
+            except StaleClaimError:
+                log.warning("fenced while recording failure of %s", work_key,
+                            extra={"action": "fenced", **ctx})
+                raise Ignore() from exc
+            except StoreUnavailable as down:
+                self._retry_store_down(down, epoch)
+            raise
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's retry, after handing the claim back so the retried message can take it."""
+        x: Execution | None = getattr(self.request, "resilient_execution", None)
+        if x is not None and not self.request.called_directly:
+            countdown = kwargs.get("countdown")
+            hold = (countdown or self.default_retry_delay or 0) + x.config.submit_timeout
+            try:
+                x.store.release(x.work_key, x.epoch, hold)
+            except StaleClaimError as exc:
+                raise Ignore() from exc
+        return super().retry(*args, **kwargs)
+
+    def _retry_store_down(self, exc: StoreUnavailable, epoch: int | None) -> Any:
+        """The store is down: re-send this message later rather than fail or lose it."""
+        rt = self.resilient
+        n = int(_header(self.request, "resilient_store_retries") or 0)
+        countdown = min(rt.config.store_retry_base * (2 ** n), rt.config.store_retry_max)
+        headers = dict(self.request.headers or {})
+        headers["resilient_store_retries"] = n + 1
+        if epoch is not None:
+            headers[SUPERSEDES_HEADER] = epoch  # the re-sent copy may take over this claim
+        log.warning("store unavailable (%s); %s re-sent in %.1fs", exc, self.request.id,
+                    countdown, extra={"action": "store_retry", "task_id": self.request.id})
+        sig = self.signature_from_request(self.request, countdown=countdown, headers=headers)
+        try:
+            sig.apply_async()
+        except Exception as publish_error:  # broker down too: let the broker keep it
+            raise Reject(str(publish_error), requeue=True) from exc
+        raise Retry(exc=exc, when=countdown, sig=sig)
+
+    def _work_key_for(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        return workkey.derive(self, task_id, args, kwargs, _headers_of(self.request))
+
+
+def _headers_of(req: Any) -> dict[str, Any]:
+    headers = dict(req.headers or {})
+    for name in (workkey.HEADER, SUPERSEDES_HEADER, SCHEDULED_FOR_HEADER):
+        value = getattr(req, name, None)
+        if value is not None and name not in headers:
+            headers[name] = value
+    return headers
+
+
+def _header(req: Any, name: str) -> Any:
+    return _headers_of(req).get(name)
+
+
+def _digest_or_none(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    try:
+        return codec.digest([list(args), kwargs])
+    except ResilientError:
+        return None
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_live_here(work_key: str, my_pid: int) -> Callable[
+        [str | None, str | None, int | None], bool]:
+    """Liveness of an execution recorded by this worker incarnation (same host)."""
+
+    def is_live(node: str | None, incarnation: str | None, pid: int | None) -> bool:
+        if pid == my_pid:
+            return identity.executing_here(work_key)
+        return identity.pid_alive(pid)
+
+    return is_live

@@ -1,0 +1,34 @@
+"""Work keys: the stable identity of a unit of work, whatever message carries it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import ResilientError
+
+HEADER = "work_key"
+MAX_LENGTH = 255
+
+
+def validate(key: object, source: str) -> str:
+    if not isinstance(key, str) or not key:
+        raise ResilientError(f"{source} must return a non-empty string, got {key!r}")
+    if len(key) > MAX_LENGTH:
+        raise ResilientError(f"{source} returned a key of {len(key)} chars; max is {MAX_LENGTH}")
+    return key
+
+
+def derive(
+    task: Any, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+    headers: Mapping[str, Any] | None,
+) -> str:
+    """Header first (the sender's explicit choice), then the task's hook, then the task id."""
+    if headers and headers.get(HEADER):
+        return validate(headers[HEADER], f"the {HEADER!r} header")
+    hook = getattr(task, "derive_work_key", None)
+    if callable(hook):
+        key = hook(tuple(args or ()), dict(kwargs or {}))
+        if key is not None:
+            return validate(key, f"{type(task).__name__}.derive_work_key()")
+    return validate(task_id, "the task id")
