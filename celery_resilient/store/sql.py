@@ -417,6 +417,16 @@ class Store:
         return None if row is None else _work_row(row)
 
     @guarded
+    def get_message(self, work_key: str) -> str | None:
+        """The stored broker message of ``work_key`` (what a re-publish would send)."""
+        w = self.t.work
+        with self.engine.connect() as conn:
+            value = conn.execute(select(w.c.message_json).where(w.c.work_key == work_key)
+                                 ).scalar_one_or_none()
+            conn.rollback()
+        return value
+
+    @guarded
     def list_work(self, state: str | None = None, limit: int = 1000) -> list[WorkRow]:
         w = self.t.work
         q = select(w).order_by(w.c.created_at).limit(limit)

@@ -1,0 +1,13 @@
+"""Test toolkit: real ``celery worker``/``celery beat`` processes you can SIGKILL, and effect logs.
+
+Load the fixtures with ``pytest_plugins = ["celery_resilient.testing.plugin"]``. The nodes
+follow pytest-celery's node API (``CeleryTestWorker``/``CeleryTestNode``) with a local
+process in place of a Docker container, since resilience is proven by killing real processes.
+"""
+
+from .effects import EffectLog
+from .nodes import LocalBeat, LocalWorker
+from .process import LocalProcess
+from .waiting import WaitTimeout, wait_for
+
+__all__ = ["EffectLog", "LocalBeat", "LocalProcess", "LocalWorker", "WaitTimeout", "wait_for"]

@@ -1,0 +1,101 @@
+"""The brutal path: SIGKILL mid-task, restart, nothing lost and nothing applied twice."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from celery_resilient import codec, messages
+from celery_resilient.testing import EffectLog, wait_for
+
+from .conftest import Project
+
+ROWS = 20
+DELAY = 0.15
+
+
+def _rows_done(effects: EffectLog, key: str) -> int:
+    return sum(1 for e in effects.entries() if e["effect"].startswith(f"row:{key}:"))
+
+
+def _assert_resumed_exactly(effects: EffectLog, key: str) -> int:
+    """Rows before the resume point ran once; the run resumed at its checkpoint, not 0."""
+    starts = [e for e in effects.entries() if e["effect"] == f"start:{key}"]
+    assert len(starts) == 2, f"expected one start and one resume, got {starts}"
+    resumed_at = starts[1]["row"]
+    assert resumed_at > 0, "the second execution started from zero"
+    counts = effects.counts()
+    for i in range(ROWS):
+        times = counts[f"row:{key}:{i}"]
+        # The row in flight when the process died (checkpointed next) may be seen twice:
+        # its effect is outside the store. Every other row exactly once.
+        if i == resumed_at:
+            assert times in (1, 2), f"row {i} ran {times} times"
+        else:
+            assert times == 1, f"row {i} ran {times} times"
+    assert counts[f"notify:{key}"] == 1, "step effect not applied exactly once"
+    assert counts[f"charge:{key}"] == 1, "ledger effect not applied exactly once"
+    return int(resumed_at)
+
+
+def _redeliver_finished(project: Project, key: str) -> None:
+    """Send the finished message again, byte for byte: it must run nothing."""
+    message = project.store.get_message(key)
+    assert message is not None
+    with project.client.connection_for_write() as conn:
+        messages.publish(conn, message, {})
+
+
+def test_sigkill_whole_worker_mid_task_resumes_from_checkpoint(project: Project,
+                                                               effect_log: EffectLog) -> None:
+    worker = project.worker()
+    key = project.send("ingest", ROWS, DELAY, task_id="ingest-1")
+    wait_for(lambda: _rows_done(effect_log, key) >= 5, 30, "5 checkpointed rows")
+    worker.kill("SIGKILL")  # the whole process group: main process and pool child
+    killed_at = time.monotonic()
+    assert project.state(key) == "running"
+
+    worker.restart()
+    wait_for(lambda: project.state(key) == "done", 60, "the work to finish after restart")
+    resumed_at = _assert_resumed_exactly(effect_log, key)
+    assert resumed_at >= 5
+    row = project.store.get_work(key)
+    assert row is not None and row.epoch == 2 and row.deaths == 1
+    assert codec.decode(row.result_json) == {"rows": ROWS, "notify": "sent",
+                                             "charge": f"receipt-{key}"}
+    print(f"resumed from row {resumed_at}; finished {time.monotonic() - killed_at:.1f}s "
+          "after the kill")
+
+    before = effect_log.counts()
+    _redeliver_finished(project, key)
+    wait_for(lambda: "already done" in worker.process.logs(), 30,
+             "the redelivered finished message to be skipped")
+    assert effect_log.counts() == before
+
+
+def test_sigkill_pool_child_only_resumes(project: Project, effect_log: EffectLog) -> None:
+    worker = project.worker()
+    key = project.send("ingest", ROWS, DELAY, task_id="ingest-child")
+    wait_for(lambda: _rows_done(effect_log, key) >= 5, 30, "5 checkpointed rows")
+    worker.kill_pool_child()  # main process lives: WorkerLostError, reject + requeue
+    wait_for(lambda: project.state(key) == "done", 60, "the work to finish after the child died")
+    resumed_at = _assert_resumed_exactly(effect_log, key)
+    assert resumed_at >= 5
+    assert worker.process.status == "running"
+    assert re.search(r"resuming work ingest-child", worker.process.logs())
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_sqlite_store_survives_sigkill(make_project, broker_url: str, tmp_path,  # type: ignore[no-untyped-def]
+                                       effect_log: EffectLog) -> None:
+    """The embedded default (SQLite file) keeps checkpoints across a SIGKILL too."""
+    project = make_project(broker_url, f"sqlite:///{tmp_path}/store.sqlite3")
+    worker = project.worker(concurrency=2)
+    key = project.send("ingest", ROWS, DELAY, task_id="ingest-sqlite")
+    wait_for(lambda: _rows_done(effect_log, key) >= 5, 30, "5 checkpointed rows")
+    worker.kill("SIGKILL")
+    worker.restart()
+    wait_for(lambda: project.state(key) == "done", 60, "the work to finish after restart")
+    _assert_resumed_exactly(effect_log, key)
