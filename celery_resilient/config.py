@@ -6,6 +6,7 @@ Every setting is documented in ``docs/configuration.md``; an invalid value raise
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -133,7 +134,10 @@ def _as_positive_int(value: Any) -> int:
 def _as_float(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError("expected a number")
-    return float(value)
+    number = float(value)
+    if not math.isfinite(number):  # nan passes every `<= 0` check; inf never expires
+        raise ValueError("expected a finite number")
+    return number
 
 
 def _as_str(value: Any) -> str:
@@ -177,4 +181,4 @@ def _coerce(key: str, value: Any, check: Callable[[Any], Any] | None) -> Any:
 
 def sanitize_url(url: str) -> str:
     """The URL with its password masked, fit for logs and banners."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)  # user may be empty: redis://:pw@
