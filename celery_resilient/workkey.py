@@ -24,7 +24,7 @@ def derive(
     headers: Mapping[str, Any] | None,
 ) -> str:
     """Header first (the sender's explicit choice), then the task's hook, then the task id."""
-    if headers and headers.get(HEADER):
+    if headers and headers.get(HEADER) is not None:  # an empty header is an error, not ignored
         return validate(headers[HEADER], f"the {HEADER!r} header")
     hook = getattr(task, "derive_work_key", None)
     if callable(hook):
