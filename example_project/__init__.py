@@ -1,0 +1,1 @@
+"""A small celery-resilient app: a resumable import, a notify step, a ledger-kept payment."""
