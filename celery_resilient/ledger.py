@@ -90,14 +90,15 @@ class Ledger:
                 raise LedgerKeyError("atomic() outside a task needs an explicit key")
             key = f"{self._x.work_key}:atomic"
         key = _check_key(key)
+        wk, epoch = (self._x.work_key, self._x.epoch) if self._x else (None, None)
         with self._store.begin() as conn:
             if self._x is not None:
                 self._store.fence(conn, self._x.work_key, self._x.epoch)
-            applied = self._store.ledger_get(key, conn) is not None
+            # Insert the marker first: a concurrent transaction for the same key then waits on
+            # it (PostgreSQL) instead of reading "not applied" and committing its writes too.
+            applied = not self._store.ledger_mark(conn, key, wk, epoch, "null", fence=False)
             tx = AtomicTransaction(conn, key, applied)
             yield tx
             if not applied:
-                wk, epoch = (self._x.work_key, self._x.epoch) if self._x else (None, None)
-                self._store.ledger_mark(conn, key, wk, epoch,
-                                        codec.encode(tx.result, f"result for ledger key {key!r}"),
-                                        fence=False)  # fenced when the transaction began
+                self._store.ledger_set_result(
+                    conn, key, codec.encode(tx.result, f"result for ledger key {key!r}"))

@@ -519,8 +519,14 @@ class Store:
         stmt = self.dialect.insert(lg).values(
             key=key, work_key=work_key, epoch=epoch, result_json=result_json,
             applied_at=self.dialect.now(),
-        ).on_conflict_do_nothing(index_elements=[lg.c.key])
-        return bool(conn.execute(stmt).rowcount == 1)
+        ).on_conflict_do_nothing(index_elements=[lg.c.key]).returning(lg.c.key)
+        # RETURNING, not rowcount: SQLAlchemy 2.1 reports rowcount -1 for INSERTs on psycopg.
+        return conn.execute(stmt).first() is not None
+
+    def ledger_set_result(self, conn: Connection, key: str, result_json: str) -> None:
+        """Set the result of a marker inserted earlier in ``conn``'s transaction."""
+        lg = self.t.ledger
+        conn.execute(update(lg).where(lg.c.key == key).values(result_json=result_json))
 
     @guarded
     def ledger_put(self, key: str, work_key: str | None, epoch: int | None,
