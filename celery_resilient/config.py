@@ -46,6 +46,8 @@ class ResilientConfig:
     catchup: str = "all"
     catchup_max_slots: int = 1000
     catchup_deadline: float | None = None
+    catchup_grace: float = 30.0
+    beat_run_retention: float = 604_800.0
     context_cache_url: str | None = None
     context_cache_ttl: float = 86_400.0
     context_cache_size: int = 10_000
@@ -105,6 +107,9 @@ class ResilientConfig:
             raise bad("catchup", f"must be one of {', '.join(CATCHUP_POLICIES)}")
         if self.catchup_deadline is not None and self.catchup_deadline <= 0:
             raise bad("catchup_deadline", "must be a positive number of seconds or None")
+        for name in ("catchup_grace", "beat_run_retention"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be a positive number of seconds")
         if "://" not in self.store_url:
             raise bad("store_url", "must be an SQLAlchemy URL such as sqlite:///path.db")
 
@@ -163,6 +168,8 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "catchup": _as_str,
     "catchup_max_slots": _as_positive_int,
     "catchup_deadline": _as_float,
+    "catchup_grace": _as_float,
+    "beat_run_retention": _as_float,
     "context_cache_url": _as_str,
     "context_cache_ttl": _as_float,
     "context_cache_size": _as_positive_int,
