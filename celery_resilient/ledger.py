@@ -67,6 +67,8 @@ class Ledger:
                      extra={"action": "ledger_skipped", "ledger_key": key})
             result: R = codec.decode(stored)
             return result
+        if self._x is not None:
+            self._store.assert_current(self._x.work_key, self._x.epoch)
         result = fn(*args, **kwargs)
         text = codec.encode(result, f"result for ledger key {key!r}")
         wk, epoch = (self._x.work_key, self._x.epoch) if self._x else (None, None)

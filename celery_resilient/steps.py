@@ -30,6 +30,7 @@ def run_step(x: Execution, name: str, fn: Callable[..., R], *args: Any, **kwargs
                  extra={"action": "step_replayed", "work_key": x.work_key, "step": name})
         result: R = codec.decode(stored)
         return result
+    x.store.assert_current(x.work_key, x.epoch)  # a known zombie never starts the effect
     result = fn(*args, **kwargs)
     x.store.put_step(x.work_key, x.epoch, name, codec.encode(result, f"result of step {name!r}"))
     return result

@@ -162,6 +162,18 @@ class Store:
                 f"claim on work {work_key!r} at epoch {epoch} was superseded; write refused"
             )
 
+    @guarded
+    def assert_current(self, work_key: str, epoch: int) -> None:
+        """Raise :class:`StaleClaimError` unless ``epoch`` still holds the running claim."""
+        w = self.t.work
+        with self.engine.connect() as conn:
+            row = conn.execute(select(w.c.epoch, w.c.state).where(w.c.work_key == work_key)).first()
+            conn.rollback()
+        if row is None or row.epoch != epoch or row.state != RUNNING:
+            raise StaleClaimError(
+                f"claim on work {work_key!r} at epoch {epoch} was superseded; effect not started"
+            )
+
     # -- claims -----------------------------------------------------------------------------
 
     @guarded

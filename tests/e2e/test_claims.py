@@ -1,0 +1,168 @@
+"""Re-acquiring queue position: claimed work (running and prefetched) comes back in seconds.
+
+Plain Celery measured on this machine: Redis returned nothing within 180 s of a SIGKILL,
+kombu's SQLAlchemy transport lost the running and prefetched messages for good.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from celery_resilient import codec
+from celery_resilient.testing import EffectLog, wait_for
+
+from . import proj
+from .conftest import Project
+
+ROWS = 5
+FAST = {"resilient_lease_seconds": 4, "resilient_heartbeat_interval": 1,
+        "resilient_sweep_interval": 1}
+
+
+@pytest.fixture(params=["redis", "rabbitmq", "sqlalchemy"])
+def any_broker(request: pytest.FixtureRequest, redis_url: str, amqp_url: str,
+               tmp_path: os.PathLike[str]) -> str:
+    if request.param == "redis":
+        return redis_url
+    if request.param == "rabbitmq":
+        return amqp_url
+    return f"sqla+sqlite:///{tmp_path}/broker.sqlite3"
+
+
+def _reserved_or_running(project: Project, keys: list[str]) -> bool:
+    return all(project.state(k) in ("reserved", "running") for k in keys)
+
+
+def _checkpointed(project: Project, key: str) -> int:
+    found = project.store.load_checkpoint(key)
+    return 0 if found is None else int(codec.decode(found[0])["row"])
+
+
+def _assert_rows_once_but_inflight(effects: EffectLog, key: str, rows: int) -> None:
+    counts = effects.counts()
+    twice = [i for i in range(rows) if counts[f"row:{key}:{i}"] == 2]
+    missing = [i for i in range(rows) if counts[f"row:{key}:{i}"] == 0]
+    more = [i for i in range(rows) if counts[f"row:{key}:{i}"] > 2]
+    assert not missing and not more, f"rows missing {missing} or repeated {more}"
+    assert len(twice) <= 1, f"more than the in-flight row re-ran: {twice}"
+    assert counts[f"notify:{key}"] == 1 and counts[f"charge:{key}"] == 1
+
+
+def test_restart_reacquires_running_and_prefetched(make_project: Callable[..., Project],
+                                                   any_broker: str,
+                                                   effect_log: EffectLog) -> None:
+    project = make_project(any_broker)
+    project.extra = {"worker_prefetch_multiplier": 5}  # one runs, four wait in prefetch
+    worker = project.worker(concurrency=1)
+    keys = [project.send("ingest", 30, 0.1, task_id="job-long")]
+    keys += [project.send("ingest", ROWS, 0.05, task_id=f"job-{i}") for i in range(4)]
+    wait_for(lambda: _checkpointed(project, keys[0]) >= 2, 30, "the first job to checkpoint")
+    # kombu's SQL transport hands a worker one more message per poll, not four at once
+    prefetched = keys[1:2] if any_broker.startswith("sqla") else keys[1:]
+    wait_for(lambda: _reserved_or_running(project, prefetched), 30,
+             f"{len(prefetched)} job(s) to be prefetched by the worker")
+    worker.kill("SIGKILL")
+    worker.restart()
+    restarted = time.monotonic()
+    wait_for(lambda: project.all_done(keys), 10, "all five jobs to finish within 10 s")
+    print(f"[{any_broker.split(':')[0]}] all 5 finished {time.monotonic() - restarted:.1f}s "
+          "after the restarted worker was ready")
+    _assert_rows_once_but_inflight(effect_log, keys[0], 30)
+    assert effect_log.count(f"start:{keys[0]}") == 2
+    for key in keys[1:]:  # prefetched, never started before the kill: each ran once
+        assert effect_log.count(f"start:{key}") == 1
+        _assert_rows_once_but_inflight(effect_log, key, ROWS)
+
+
+def test_second_worker_takes_over_without_restart(make_project: Callable[..., Project],
+                                                   any_broker: str,
+                                                   effect_log: EffectLog) -> None:
+    project = make_project(any_broker)
+    project.extra = {**FAST, "worker_prefetch_multiplier": 5}
+    first = project.worker(name="first", concurrency=1)
+    keys = [project.send("ingest", 30, 0.1, task_id="job-long")]
+    keys += [project.send("ingest", ROWS, 0.05, task_id=f"job-{i}") for i in range(4)]
+    wait_for(lambda: _checkpointed(project, keys[0]) >= 2, 30, "the first job to checkpoint")
+    prefetched = keys[1:2] if any_broker.startswith("sqla") else keys[1:]
+    wait_for(lambda: _reserved_or_running(project, prefetched), 30, "jobs prefetched")
+    project.worker(name="second", concurrency=1)
+    first.kill("SIGKILL")  # never restarted
+    killed = time.monotonic()
+    # lease + one sweep, plus the work itself (~3 s) and a worker start's worth of slack
+    budget = FAST["resilient_lease_seconds"] + FAST["resilient_sweep_interval"] + 3 + 5
+    wait_for(lambda: project.all_done(keys), budget, "the second worker to finish all five")
+    print(f"[{any_broker.split(':')[0]}] second worker finished all 5 "
+          f"{time.monotonic() - killed:.1f}s after the kill")
+    _assert_rows_once_but_inflight(effect_log, keys[0], 30)
+    for key in keys[1:]:
+        assert effect_log.count(f"start:{key}") == 1
+        _assert_rows_once_but_inflight(effect_log, key, ROWS)
+
+
+def test_task_outliving_visibility_timeout_runs_once(make_project: Callable[..., Project],
+                                                     redis_url: str,
+                                                     effect_log: EffectLog) -> None:
+    project = make_project(redis_url)
+    project.extra = {"broker_transport_options": {
+        "visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}}
+    workers = [project.worker(name="a"), project.worker(name="b")]
+    key = project.send("sleeper", 8, task_id="long-one")
+    wait_for(lambda: project.state(key) == "done", 40, "the long task to finish")
+    assert effect_log.count(f"sleeper:{key}") == 1
+    logs = "".join(w.process.logs() for w in workers)
+    assert "not run: running on" in logs, "Redis never redelivered it: the test proved nothing"
+
+
+def test_zombie_writes_are_refused(make_project: Callable[..., Project], redis_url: str,
+                                   effect_log: EffectLog) -> None:
+    project = make_project(redis_url)
+    project.extra = FAST
+    zombie = project.worker(name="zombie")
+    key = project.send("fenced_probe", 60, 0.1, task_id="probe-1")
+    wait_for(lambda: _checkpointed(project, key) >= 3, 30, "the probe to checkpoint")
+    os.killpg(zombie.process.pid, signal.SIGSTOP)  # frozen mid-task: no heartbeats
+    try:
+        project.worker(name="rescuer")
+        wait_for(lambda: project.state(key) == "done", 40, "the rescuer to finish the work")
+    finally:
+        os.killpg(zombie.process.pid, signal.SIGCONT)
+    row = project.store.get_work(key)
+    assert row is not None and row.epoch == 2
+    assert codec.decode(row.result_json) == "by-epoch-2"
+    wait_for(lambda: effect_log.count(f"refused:atomic:{key}") == 1, 30,
+             "the zombie to try its remaining writes")
+    counts = effect_log.counts()
+    for kind in ("checkpoint", "step", "ledger", "atomic"):
+        assert counts[f"refused:{kind}:{key}"] == 1, f"zombie {kind} write was not refused"
+    for effect in (f"step:{key}", f"ledger:{key}", f"atomic:{key}"):
+        assert counts[effect] == 1, f"{effect} applied {counts[effect]} times"
+    wait_for(lambda: "fenced" in zombie.process.logs(), 30, "the zombie's result to be refused")
+    after = project.store.get_work(key)
+    assert after is not None and codec.decode(after.result_json) == "by-epoch-2"
+
+
+def test_durable_submit_survives_broker_data_loss(make_project: Callable[..., Project],
+                                                  effect_log: EffectLog) -> None:
+    broker = "redis://127.0.0.1:6379/11"  # this test owns DB 11: it flushes it
+    project = make_project(broker)
+    project.extra = {"resilient_durable_submit": True, "resilient_submit_timeout": 3,
+                     **FAST}
+    client = proj.create_app({**project.env(), "RESILIENT_EFFECT_LOG": str(effect_log.path)})
+    try:
+        sender = client.tasks["tests.e2e.proj.short"]
+        ids = [sender.apply_async((i,), task_id=f"submit-{i}").id for i in range(100)]
+    finally:
+        client.close()
+    assert all(project.state(i) == "requeued" for i in ids)
+    redis.Redis.from_url(broker).flushdb()  # the broker loses every message
+    project.worker(concurrency=2)
+    wait_for(lambda: project.all_done(ids), 60, "all 100 submitted tasks to finish")
+    effect_log.assert_exactly_once({f"short:{i}" for i in ids})
+    assert json.loads(json.dumps(effect_log.count(f"short:{ids[0]}"))) == 1
