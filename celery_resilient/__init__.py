@@ -2,6 +2,7 @@
 
 from .app import Resilient
 from .config import ResilientConfig
+from .context import Context, ContextStore
 from .errors import (
     CheckpointError,
     ConfigurationError,
@@ -20,8 +21,10 @@ from .task import ResumableTask, WorkDead
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
+    "Context",
     "ContextConflict",
     "ContextNotFound",
+    "ContextStore",
     "LedgerKeyError",
     "Resilient",
     "ResilientConfig",

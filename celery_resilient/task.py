@@ -17,6 +17,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import codec, identity, workkey
 from .checkpoint import Checkpoint
+from .context import Context, task_context
 from .errors import ResilientError, StaleClaimError, StoreUnavailable
 from .execution import Execution
 from .ledger import Ledger
@@ -100,6 +101,15 @@ class ResumableTask(Task):  # type: ignore[misc]
     @property
     def ledger(self) -> Ledger:
         return Ledger(self.execution.store, self.execution)
+
+    def context(self, key: str, create_default: dict[str, Any] | None = None) -> Context:
+        """The stored continuity context ``key`` (dict-like, ``.version``, ``.save()``).
+
+        A missing context raises ``ContextNotFound`` unless ``create_default`` is given, which
+        creates it explicitly. Saves are fenced by this execution's claim (a superseded run
+        gets ``StaleClaimError``) and compare-and-set on the version (``ContextConflict``).
+        """
+        return task_context(self, key, create_default)
 
     def step(self, name: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         return run_step(self.execution, name, fn, *args, **kwargs)

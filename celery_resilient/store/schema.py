@@ -122,6 +122,7 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("version", BigInteger, nullable=False),
         Column("data_json", Text, nullable=False),
         Column("updated_at", Float, nullable=False),
+        Index(f"ix_{p}contexts_updated_at", "updated_at"),  # retention pruning
     )
     workers = Table(
         f"{p}workers", md,

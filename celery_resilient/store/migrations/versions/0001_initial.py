@@ -95,6 +95,7 @@ def upgrade() -> None:
         sa.Column("data_json", sa.Text, nullable=False),
         sa.Column("updated_at", sa.Float, nullable=False),
     )
+    op.create_index(f"ix_{p}contexts_updated_at", f"{p}contexts", ["updated_at"])
     op.create_table(
         f"{p}workers",
         sa.Column("incarnation", sa.String(64), primary_key=True),
