@@ -1,0 +1,129 @@
+"""Alembic migrations create exactly the schema module's tables, on both dialects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from celery import Celery
+from sqlalchemy import inspect, text
+
+from celery_resilient import Resilient
+from celery_resilient.errors import SchemaError
+from celery_resilient.store import migrate
+from celery_resilient.store.schema import build_tables
+from celery_resilient.store.sql import Store
+
+TABLES = ("work", "checkpoints", "steps", "ledger", "schedule_runs", "schedule_markers",
+          "contexts", "workers")
+
+
+def _ours(store: Store) -> set[str]:
+    with store.engine.connect() as conn:
+        names = {n for n in inspect(conn).get_table_names() if n.startswith(store.prefix)}
+        conn.rollback()
+    return names
+
+
+def _diff(store: Store) -> list[Any]:
+    prefix = store.prefix
+
+    def include_name(name: str | None, type_: str, parent: Any) -> bool:
+        return type_ != "table" or bool(name and name.startswith(prefix))
+
+    with store.engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={
+            "version_table": f"{prefix}alembic_version",
+            "include_name": include_name,
+            "compare_type": True,
+            "compare_server_default": True,
+        })
+        diff = compare_metadata(ctx, build_tables(prefix).metadata)
+        conn.rollback()
+    return list(diff)
+
+
+@pytest.fixture
+def bare_store(store_url: str, table_prefix: str) -> Any:
+    s = Store(store_url, table_prefix)
+    yield s
+    s.dispose()
+
+
+def test_upgrade_from_empty_creates_exactly_the_schema(bare_store: Store) -> None:
+    assert _ours(bare_store) == set()
+    bare_store.migrate()
+    prefix = bare_store.prefix
+    assert _ours(bare_store) == {f"{prefix}{t}" for t in TABLES} | {f"{prefix}alembic_version"}
+    assert _diff(bare_store) == []
+    assert migrate.current_revision(bare_store.engine, prefix) == migrate.head_revision()
+
+
+def test_upgrade_is_idempotent(bare_store: Store) -> None:
+    bare_store.migrate()
+    bare_store.migrate()
+    assert _diff(bare_store) == []
+
+
+def test_downgrade_to_base_removes_every_table(bare_store: Store) -> None:
+    bare_store.migrate()
+    migrate.downgrade(bare_store.engine, bare_store.prefix, "base")
+    assert _ours(bare_store) <= {f"{bare_store.prefix}alembic_version"}
+    assert migrate.current_revision(bare_store.engine, bare_store.prefix) is None
+    bare_store.migrate()  # and back up again
+    assert _diff(bare_store) == []
+
+
+def test_missing_schema_names_the_fix_when_auto_migrate_is_off(bare_store: Store) -> None:
+    with pytest.raises(SchemaError) as info:
+        bare_store.ensure_schema(migrate_if_needed=False)
+    message = str(info.value)
+    assert "missing" in message
+    assert migrate.FIX_COMMAND in message
+    assert f"{bare_store.prefix}*" in message
+    assert _ours(bare_store) == set()  # nothing was created behind the user's back
+
+
+def test_postgresql_store_does_not_migrate_itself_by_default(pg_url: str,
+                                                             table_prefix: str) -> None:
+    app = Celery("mig-pg", broker="memory://", set_as_current=False)
+    app.conf.resilient_store_url = pg_url
+    app.conf.resilient_table_prefix = table_prefix
+    rt = Resilient(app)
+    with pytest.raises(SchemaError, match="resilient migrate"):
+        _ = rt.store
+    rt._store.dispose()  # type: ignore[union-attr]
+
+
+def test_sqlite_store_migrates_itself_by_default(tmp_path: Any) -> None:
+    app = Celery("mig-sqlite", broker="memory://", set_as_current=False)
+    app.conf.resilient_store_url = f"sqlite:///{tmp_path}/self.sqlite3"
+    store = Resilient(app).store
+    try:
+        assert _diff(store) == []
+        assert migrate.current_revision(store.engine, store.prefix) == migrate.head_revision()
+    finally:
+        store.dispose()
+
+
+def test_sqlite_store_with_auto_migrate_off_fails_clearly(tmp_path: Any) -> None:
+    app = Celery("mig-sqlite-off", broker="memory://", set_as_current=False)
+    app.conf.resilient_store_url = f"sqlite:///{tmp_path}/off.sqlite3"
+    app.conf.resilient_auto_migrate = False
+    rt = Resilient(app)
+    with pytest.raises(SchemaError, match="resilient_auto_migrate"):
+        _ = rt.store
+    rt._store.dispose()  # type: ignore[union-attr]
+
+
+def test_outdated_schema_names_both_revisions(bare_store: Store) -> None:
+    bare_store.migrate()
+    with bare_store.engine.begin() as conn:
+        conn.execute(text(f"UPDATE {bare_store.prefix}alembic_version SET version_num = '0000'"))
+    with pytest.raises(SchemaError) as info:
+        bare_store.ensure_schema(migrate_if_needed=False)
+    message = str(info.value)
+    assert f"at revision 0000, expected {migrate.head_revision()}" in message
+    assert migrate.FIX_COMMAND in message
