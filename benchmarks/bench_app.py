@@ -1,0 +1,111 @@
+"""The Celery app the throughput benchmark runs in real ``celery worker`` processes.
+
+Configured by environment: ``BENCH_BROKER``, ``BENCH_QUEUE``, ``BENCH_RESILIENT`` ("1": wire
+``Resilient(app)`` with ``BENCH_STORE_URL``/``BENCH_TABLE_PREFIX``; "0": plain Celery, no
+celery-resilient at all), and optional ``BENCH_PROFILE_DIR``: time every store call and every SQL
+statement per process and write them there as JSON when the process exits (measurement only;
+the library is not changed, its ``Store`` methods are wrapped from here).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, signals
+from sqlalchemy import Engine, event
+
+from celery_resilient import Resilient, ResumableTask
+from celery_resilient.store.sql import Store
+
+app = Celery("bench", broker=os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/13"))
+app.conf.update(
+    task_default_queue=os.environ.get("BENCH_QUEUE", "bench"),
+    task_ignore_result=True,
+    worker_prefetch_multiplier=4,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=True,
+)
+if os.environ.get("BENCH_RESILIENT", "0") == "1":
+    app.conf.resilient_store_url = os.environ["BENCH_STORE_URL"]
+    app.conf.resilient_table_prefix = os.environ.get("BENCH_TABLE_PREFIX", "resilient_")
+    Resilient(app)
+
+
+@app.task(name="bench.plain", acks_late=True)
+def plain(n: int) -> int:
+    """The baseline: a trivial task with ``acks_late=True``."""
+    return n
+
+
+@app.task(name="bench.resumable", base=ResumableTask, bind=True)
+def resumable(self: ResumableTask, n: int) -> int:
+    """The same trivial body as a ResumableTask (claim, finish, receipt, all in the store)."""
+    return n
+
+
+# -- optional profiling: store calls and SQL statements, per process ----------------------------
+
+_PROFILE_DIR = os.environ.get("BENCH_PROFILE_DIR")
+_calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+_sql: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+
+
+def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            entry = _calls[name]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+
+    return wrapper
+
+
+def _install_profiling() -> None:
+    for name in ("record_receipt", "take", "finish", "heartbeat", "claim_orphans",
+                 "load_checkpoint", "save_checkpoint", "get_step", "put_step"):
+        setattr(Store, name, _timed(f"Store.{name}", getattr(Store, name)))
+
+    @event.listens_for(Engine, "before_cursor_execute")
+    def _before(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        conn.info["bench_t0"] = time.perf_counter()
+
+    @event.listens_for(Engine, "after_cursor_execute")
+    def _after(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        t0 = conn.info.pop("bench_t0", None)
+        if t0 is not None:
+            entry = _sql[" ".join(statement.split())[:90]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+
+    @event.listens_for(Engine, "commit")
+    def _commit(conn: Any) -> None:
+        _sql["(commit)"][0] += 1
+
+
+def _dump(role: str) -> None:
+    assert _PROFILE_DIR is not None
+    path = Path(_PROFILE_DIR) / f"{role}-{os.getpid()}.json"
+    path.write_text(json.dumps({"role": role, "calls": dict(_calls), "sql": dict(_sql)}))
+
+
+if _PROFILE_DIR:
+    _install_profiling()
+
+    @signals.worker_process_shutdown.connect(weak=False)
+    def _dump_child(**_: Any) -> None:
+        _dump("child")
+
+    @signals.worker_shutdown.connect(weak=False)
+    def _dump_main(**_: Any) -> None:
+        _dump("main")

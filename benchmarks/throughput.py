@@ -1,0 +1,279 @@
+"""Throughput of trivial tasks: ResumableTask vs a plain ``acks_late=True`` task, in one run.
+
+Real ``celery worker -c 2`` (prefork) processes on a Redis broker: one plain Celery worker (no
+celery-resilient at all) and one ResumableTask worker per store (SQLite file, PostgreSQL). Only
+one is loaded at a time. Every repetition measures every mode, in a rotating order, so drift on
+the machine hits all modes alike. A measurement first publishes ``--tasks`` messages to a queue
+nobody consumes (so the publisher does not compete for the 2 CPUs), then starts the clock and
+tells the mode's worker to consume that queue (remote control ``add_consumer``), and stops the
+clock when the queue is empty and nothing is left unacked (acks_late: a message is acked after
+its task returned; for ResumableTask after the result is committed to the store).
+
+    python benchmarks/throughput.py [--tasks 2000] [--reps 5] [--profile DIR]
+
+Prints a markdown table: median tasks/s per mode and the ratio ours/plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sqlite3
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import celery
+import kombu
+import redis
+import sqlalchemy
+from bench_common import Worker, machine, markdown_table, median, wait_for
+from celery import Celery
+from sqlalchemy import create_engine, inspect, text
+
+from celery_resilient.store.sql import Store
+
+PLAIN, RESUMABLE = "bench.plain", "bench.resumable"
+
+
+@dataclass
+class Mode:
+    name: str
+    task: str
+    store_url: str | None = None
+    prefix: str = ""
+    queue: str = ""
+    worker: Worker | None = None
+    rates: list[float] = field(default_factory=list)
+    publish_rates: list[float] = field(default_factory=list)
+
+    @property
+    def store_label(self) -> str:
+        if self.store_url is None:
+            return "none (plain Celery)"
+        return "SQLite file" if self.store_url.startswith("sqlite") else "PostgreSQL"
+
+
+class Bench:
+    def __init__(self, broker: str, concurrency: int, tmp: Path,
+                 profile_dir: Path | None) -> None:
+        self.broker = broker
+        self.concurrency = concurrency
+        self.tmp = tmp
+        self.profile_dir = profile_dir
+        self.redis = redis.Redis.from_url(broker)
+        self.client = Celery("bench-client", broker=broker)
+        self.unacked_baseline = int(self.redis.hlen("unacked"))
+
+    def start(self, mode: Mode) -> None:
+        env = {"BENCH_BROKER": self.broker, "BENCH_QUEUE": mode.queue,
+               "BENCH_RESILIENT": "1" if mode.store_url else "0"}
+        if mode.store_url:
+            env |= {"BENCH_STORE_URL": mode.store_url, "BENCH_TABLE_PREFIX": mode.prefix}
+            store = Store(mode.store_url, mode.prefix)
+            store.migrate()
+            store.dispose()
+        if self.profile_dir:
+            out = self.profile_dir / mode.name
+            out.mkdir(parents=True, exist_ok=True)
+            env["BENCH_PROFILE_DIR"] = str(out)
+        # The worker starts on an idle queue of its own; run() points it at the loaded queue.
+        mode.worker = Worker(mode.name, env, f"{mode.queue}-idle", self.tmp,
+                             concurrency=self.concurrency).start()
+
+    def ping(self, mode: Mode) -> bool:
+        if mode.worker is not None and not mode.worker.alive():
+            raise RuntimeError(f"worker {mode.name} died:\n{mode.worker.logs()[-3000:]}")
+        node = [f"{mode.name}@{socket.gethostname()}"]
+        return bool(self.client.control.ping(destination=node, timeout=0.5))
+
+    def drained(self, mode: Mode) -> bool:
+        if mode.worker is not None and not mode.worker.alive():
+            raise RuntimeError(f"worker {mode.name} died:\n{mode.worker.logs()[-3000:]}")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.llen(mode.queue)
+        pipe.hlen("unacked")
+        queued, unacked = pipe.execute()
+        return int(queued) == 0 and int(unacked) <= self.unacked_baseline
+
+    def run(self, mode: Mode, n: int, timeout: float = 300) -> tuple[float, float]:
+        """Publish ``n`` tasks, then time their processing; (tasks/s, publish msgs/s)."""
+        t_publish = time.perf_counter()
+        with self.client.producer_or_acquire() as producer:
+            for i in range(n):
+                self.client.send_task(mode.task, args=(i,), queue=mode.queue, producer=producer)
+        t0 = time.perf_counter()
+        node = [f"{mode.name}@{socket.gethostname()}"]
+        replies = self.client.control.add_consumer(mode.queue, destination=node, reply=True,
+                                                   timeout=10)
+        if not replies:
+            raise RuntimeError(f"worker {mode.name} did not answer add_consumer")
+        wait_for(lambda: self.drained(mode), timeout, f"{mode.name} to drain {n} tasks")
+        elapsed = time.perf_counter() - t0
+        self.client.control.cancel_consumer(mode.queue, destination=node, reply=True,
+                                            timeout=10)
+        return n / elapsed, n / (t0 - t_publish)
+
+
+def drop_tables(url: str, prefix: str) -> None:
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            for name in inspect(conn).get_table_names():
+                if name.startswith(prefix):
+                    conn.execute(text(f'DROP TABLE IF EXISTS "{name}" CASCADE'))
+    finally:
+        engine.dispose()
+
+
+def profile_summary(profile_dir: Path, modes: list[Mode], tasks_per_mode: int) -> str:
+    out: list[str] = []
+    for mode in modes:
+        files = sorted((profile_dir / mode.name).glob("*.json"))
+        if not files or mode.store_url is None:
+            continue
+        calls: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+        sql: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+        for f in files:
+            data = json.loads(f.read_text())
+            for name, (count, total) in data["calls"].items():
+                calls[(data["role"], name)][0] += count
+                calls[(data["role"], name)][1] += total
+            for stmt, (count, total) in data["sql"].items():
+                sql[(data["role"], stmt)][0] += count
+                sql[(data["role"], stmt)][1] += total
+        out.append(f"\n### Store calls, {mode.name} ({tasks_per_mode} tasks)\n")
+        out.append(markdown_table(
+            ["process", "call", "calls", "per task", "mean ms", "total s"],
+            [(role, name, int(c), f"{c / tasks_per_mode:.2f}", f"{t / c * 1000:.3f}",
+              f"{t:.2f}")
+             for (role, name), (c, t) in sorted(calls.items(), key=lambda kv: -kv[1][1]) if c]))
+        out.append(f"\n### SQL statements, {mode.name}\n")
+        out.append(markdown_table(
+            ["process", "statement", "count", "per task", "mean ms", "total s"],
+            [(role, f"`{stmt}`", int(c), f"{c / tasks_per_mode:.2f}",
+              f"{t / c * 1000:.3f}" if t else "-", f"{t:.2f}" if t else "-")
+             for (role, stmt), (c, t) in sorted(sql.items(), key=lambda kv: -kv[1][0])[:14]
+             if c]))
+    return "\n".join(out)
+
+
+def versions(pg_url: str, r: redis.Redis) -> str:
+    engine = create_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            pg = str(conn.execute(text("SHOW server_version")).scalar_one()).split()[0]
+    finally:
+        engine.dispose()
+    redis_version = r.info("server").get("redis_version", "?")
+    return (f"celery {celery.__version__}, kombu {kombu.__version__}, SQLAlchemy "
+            f"{sqlalchemy.__version__}, PostgreSQL {pg}, SQLite {sqlite3.sqlite_version}, "
+            f"Redis {redis_version}")
+
+
+def results_table(modes: list[Mode]) -> str:
+    plain = modes[0]
+    rows = []
+    for mode in modes:
+        paired = [r / p for r, p in zip(mode.rates, plain.rates, strict=True)]
+        rows.append((
+            mode.name, mode.store_label, f"{median(mode.rates):.0f}",
+            f"{min(mode.rates):.0f}-{max(mode.rates):.0f}",
+            f"{median(mode.rates) / median(plain.rates):.2f}",
+            f"{median(paired):.2f}", f"{median(mode.publish_rates):.0f}",
+        ))
+    return markdown_table(
+        ["mode", "store", "median tasks/s", "range", "ratio ours/plain (medians)",
+         "ratio (median of per-rep pairs)", "publish msgs/s"], rows)
+
+
+def measure(bench: Bench, modes: list[Mode], args: argparse.Namespace) -> None:
+    for mode in modes:
+        bench.start(mode)
+    for mode in modes:
+        wait_for(lambda m=mode: bench.ping(m), 60, f"worker {mode.name} to answer")
+        bench.run(mode, args.warmup, timeout=120)
+    for rep in range(args.reps):
+        order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+        for mode in order:
+            rate, publish_rate = bench.run(mode, args.tasks)
+            mode.rates.append(rate)
+            mode.publish_rates.append(publish_rate)
+        print(f"rep {rep + 1}: " + ", ".join(f"{m.name} {m.rates[-1]:.0f}/s" for m in modes),
+              flush=True)
+    for mode in modes:
+        if mode.store_url:
+            store = Store(mode.store_url, mode.prefix)
+            done = store.count_by_state().get("done", 0)
+            store.dispose()
+            expected = args.warmup + args.reps * args.tasks
+            if done != expected:
+                raise RuntimeError(f"{mode.name}: {done} works done, expected {expected}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="ResumableTask vs plain acks_late throughput")
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks per measurement")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of every mode")
+    parser.add_argument("--warmup", type=int, default=300, help="tasks per mode before timing")
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--broker", default="redis://127.0.0.1:6379/13")
+    parser.add_argument("--pg-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--stores", default="sqlite,postgresql",
+                        help="comma-separated: sqlite, postgresql")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="directory: time every store call and SQL statement in the workers")
+    args = parser.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    tag = uuid.uuid4().hex[:8]
+    modes = [Mode("plain", PLAIN)]
+    stores = [s.strip() for s in args.stores.split(",") if s.strip()]
+    if "sqlite" in stores:
+        modes.append(Mode("resumable-sqlite", RESUMABLE, f"sqlite:///{tmp / 'store.sqlite3'}",
+                          "resilient_"))
+    if "postgresql" in stores:
+        modes.append(Mode("resumable-postgresql", RESUMABLE, args.pg_url, f"bench{tag}_"))
+    for mode in modes:
+        mode.queue = f"bench-{mode.name}-{tag}"
+
+    bench = Bench(args.broker, args.concurrency, tmp, args.profile)
+    if bench.unacked_baseline:
+        print(f"note: {bench.unacked_baseline} unacked messages already in {args.broker}; "
+              "use a broker database of its own for exact drain detection", file=sys.stderr)
+    print(f"machine: {machine()}; load average at start "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print(f"versions: {versions(args.pg_url, bench.redis)}")
+    print(f"broker {args.broker}; celery worker -c {args.concurrency} prefork, prefetch x4; "
+          f"{args.tasks} tasks x {args.reps} reps per mode, {args.warmup} warm-up tasks\n",
+          flush=True)
+    try:
+        measure(bench, modes, args)
+    finally:
+        for mode in modes:
+            if mode.worker is not None:
+                mode.worker.stop()
+        for mode in modes:
+            if mode.store_url and not mode.store_url.startswith("sqlite"):
+                drop_tables(mode.store_url, mode.prefix)
+        for mode in modes:
+            bench.redis.delete(mode.queue)
+
+    print("load average at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print()
+    print(results_table(modes))
+    if args.profile:
+        print(profile_summary(args.profile, modes, args.warmup + args.reps * args.tasks))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
