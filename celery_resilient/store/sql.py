@@ -129,10 +129,31 @@ class Store:
     def dispose(self) -> None:
         self._engine.dispose()
 
+    @guarded
+    def _connect(self) -> Connection:
+        """A connection with its transaction begun: an unreachable store is StoreUnavailable."""
+        conn = self.engine.connect()
+        try:
+            conn.begin()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
     @contextmanager
     def begin(self) -> Iterator[Connection]:
-        with self.engine.begin() as conn:
-            yield conn
+        """One transaction; also used for the user's own writes (``Ledger.atomic``)."""
+        conn = self._connect()
+        with conn:
+            try:
+                yield conn
+            except BaseException:
+                conn.rollback()
+                raise
+            try:
+                conn.commit()
+            except OperationalError as exc:
+                raise StoreUnavailable(f"store unreachable during commit: {exc.orig}") from exc
 
     @guarded
     def ensure_schema(self, migrate_if_needed: bool) -> None:
