@@ -42,7 +42,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         effects.record(f"notify:{work_key}")
         return "sent"
 
-    @app.task(base=ResumableTask, bind=True, name="tests.e2e.proj.ingest")
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.ingest")
     def ingest(self: ResumableTask, rows: int, delay: float) -> dict[str, object]:
         """Checkpoints after every row; a step and a ledger effect at the end."""
         state = self.checkpoint.load(default={"row": 0})
@@ -55,19 +55,19 @@ def create_app(env: Mapping[str, str]) -> Celery:
         charged = self.ledger.once(f"charge:{self.work_key}", charge, self.work_key)
         return {"rows": rows, "notify": receipt, "charge": charged}
 
-    @app.task(base=ResumableTask, bind=True, name="tests.e2e.proj.short")
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.short")
     def short(self: ResumableTask, n: int) -> int:
         effects.record(f"short:{self.work_key}")
         return n * 2
 
-    @app.task(base=ResumableTask, bind=True, name="tests.e2e.proj.sleeper")
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.sleeper")
     def sleeper(self: ResumableTask, seconds: float) -> str:
         """One effect at the start, then a long sleep (outlives a short visibility timeout)."""
         effects.record(f"sleeper:{self.work_key}", epoch=self.fencing_token)
         time.sleep(seconds)
         return "slept"
 
-    @app.task(base=ResumableTask, bind=True, name="tests.e2e.proj.fenced_probe")
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.fenced_probe")
     def fenced_probe(self: ResumableTask, rows: int, delay: float) -> str:
         """Checkpoints slowly; a superseded (zombie) run records each write that was refused."""
         key = self.work_key
@@ -79,9 +79,15 @@ def create_app(env: Mapping[str, str]) -> Celery:
             except StaleClaimError:
                 effects.record(f"refused:checkpoint:{key}", epoch=self.fencing_token)
                 break
+        # Shared names: a superseded run finds the rescuer's stored results and re-applies
+        # nothing. Names of its own (epoch in the name): the write itself must be refused.
+        epoch = self.fencing_token
+        self.step("probe", effects.record, f"step:{key}")
+        self.ledger.once(f"ledger:{key}", effects.record, f"ledger:{key}")
         attempts = {
-            "step": lambda: self.step("probe", effects.record, f"step:{key}"),
-            "ledger": lambda: self.ledger.once(f"ledger:{key}", effects.record, f"ledger:{key}"),
+            "step": lambda: self.step(f"probe-{epoch}", effects.record, f"step:{key}:{epoch}"),
+            "ledger": lambda: self.ledger.once(f"ledger:{key}:{epoch}", effects.record,
+                                               f"ledger:{key}:{epoch}"),
             "atomic": lambda: _atomic_write(self, effects, key),
         }
         for kind, attempt in attempts.items():

@@ -141,8 +141,11 @@ def test_zombie_writes_are_refused(make_project: Callable[..., Project], redis_u
     counts = effect_log.counts()
     for kind in ("checkpoint", "step", "ledger", "atomic"):
         assert counts[f"refused:{kind}:{key}"] == 1, f"zombie {kind} write was not refused"
-    for effect in (f"step:{key}", f"ledger:{key}", f"atomic:{key}"):
+    for effect in (f"step:{key}", f"ledger:{key}", f"atomic:{key}", f"step:{key}:2",
+                   f"ledger:{key}:2"):
         assert counts[effect] == 1, f"{effect} applied {counts[effect]} times"
+    for effect in (f"step:{key}:1", f"ledger:{key}:1"):  # the zombie's own: never started
+        assert counts[effect] == 0, f"zombie effect {effect} was applied"
     wait_for(lambda: "fenced" in zombie.process.logs(), 30, "the zombie's result to be refused")
     after = project.store.get_work(key)
     assert after is not None and codec.decode(after.result_json) == "by-epoch-2"
