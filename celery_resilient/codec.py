@@ -7,10 +7,14 @@ kombu's JSON keeps datetimes, dates, UUIDs and Decimals round-trippable; anythin
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
-from kombu.utils.json import dumps as _dumps
-from kombu.utils.json import loads as _loads
+from kombu.utils.json import dumps as _kombu_dumps
+from kombu.utils.json import loads as _kombu_loads
+
+_dumps: Callable[[Any], str] = _kombu_dumps
+_loads: Callable[[str], Any] = _kombu_loads
 
 from .errors import SerializationError
 

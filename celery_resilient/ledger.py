@@ -76,7 +76,9 @@ class Ledger:
             log.warning("ledger key %s was applied concurrently by other work", key,
                         extra={"action": "ledger_race", "ledger_key": key})
             again = self._store.ledger_get(key)
-            return codec.decode(again) if again is not None else result  # type: ignore[no-any-return]
+            if again is not None:
+                stored_result: R = codec.decode(again)
+                return stored_result
         return result
 
     @contextmanager

@@ -54,12 +54,13 @@ def record_submitted(rt: Resilient, body: Any, headers: dict[str, Any],
 
     name = headers.get("task")
     task = rt.app.tasks.get(name) if name else None
-    if not isinstance(task, ResumableTask):
+    if not isinstance(task, ResumableTask) or not isinstance(name, str):
         return
     args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) else ((), {})
     key = workkey.derive(task, headers["id"], args, kwargs, headers)
     serializer = task.serializer or rt.app.conf.task_serializer
-    content_type, content_encoding, data = kombu_dumps(body, serializer=serializer)
+    content_type, content_encoding, data = kombu_dumps(  # type: ignore[no-untyped-call]
+        body, serializer=serializer)
     rt.store.record_submission(
         key, name, headers["id"], _digest(args, kwargs),
         messages.from_publish(data, content_type, content_encoding, headers, properties,

@@ -23,7 +23,7 @@ from ..errors import StaleClaimError, StoreUnavailable, WorkKeyConflict
 from . import migrate
 from .dialect import Dialect
 from .engine import EngineHolder
-from .schema import DEAD, DONE, FAILED, OPEN_STATES, RESERVED, RUNNING, REQUEUED, build_tables
+from .schema import DEAD, DONE, FAILED, OPEN_STATES, REQUEUED, RESERVED, RUNNING, build_tables
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -304,7 +304,8 @@ class Store:
         died = False
         if row.state == RUNNING:
             if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
-                return TakeOutcome("held", reason=f"running on {row.owner_node} (epoch {row.epoch})")
+                return TakeOutcome(
+                    "held", reason=f"running on {row.owner_node} (epoch {row.epoch})")
             died = True
         deaths = row.deaths + (1 if died else 0)
         if deaths >= max_attempts:
@@ -484,7 +485,8 @@ class Store:
     def load_checkpoint(self, work_key: str) -> tuple[str, int] | None:
         c = self.t.checkpoints
         with self.engine.connect() as conn:
-            row = conn.execute(select(c.c.state_json, c.c.seq).where(c.c.work_key == work_key)).first()
+            row = conn.execute(
+                select(c.c.state_json, c.c.seq).where(c.c.work_key == work_key)).first()
             conn.rollback()
         return None if row is None else (row.state_json, int(row.seq))
 

@@ -72,7 +72,8 @@ def test_restart_reacquires_running_and_prefetched(make_project: Callable[..., P
     worker.restart()
     restarted = time.monotonic()
     wait_for(lambda: project.all_done(keys), 10, "all five jobs to finish within 10 s")
-    print(f"[{any_broker.split(':')[0]}] all 5 finished {time.monotonic() - restarted:.1f}s "
+    broker = any_broker.split(":", maxsplit=1)[0]
+    print(f"[{broker}] all 5 finished {time.monotonic() - restarted:.1f}s "
           "after the restarted worker was ready")
     _assert_rows_once_but_inflight(effect_log, keys[0], 30)
     assert effect_log.count(f"start:{keys[0]}") == 2
@@ -98,7 +99,7 @@ def test_second_worker_takes_over_without_restart(make_project: Callable[..., Pr
     # lease + one sweep, plus the work itself (~3 s) and a worker start's worth of slack
     budget = FAST["resilient_lease_seconds"] + FAST["resilient_sweep_interval"] + 3 + 5
     wait_for(lambda: project.all_done(keys), budget, "the second worker to finish all five")
-    print(f"[{any_broker.split(':')[0]}] second worker finished all 5 "
+    print(f"[{any_broker.split(':', maxsplit=1)[0]}] second worker finished all 5 "
           f"{time.monotonic() - killed:.1f}s after the kill")
     _assert_rows_once_but_inflight(effect_log, keys[0], 30)
     for key in keys[1:]:
