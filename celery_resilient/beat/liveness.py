@@ -1,0 +1,90 @@
+"""Who a beat process is, and whether a recorded beat is provably dead.
+
+A beat records this identity next to RedBeat's lock and on every slot it claims. A successor
+on the same host (same kernel boot, same PID namespace) can then prove its predecessor dead
+from ``/proc`` and take over at once instead of waiting for the lock to expire. Anything it
+cannot prove (another host, another PID namespace) counts as alive: waiting is safe.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from functools import lru_cache
+
+SEP = "|"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _boot_id() -> str:
+    return _read("/proc/sys/kernel/random/boot_id")[:8] or "noboot"
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "nons"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot, or None if no such process."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        if os.path.isdir("/proc/self"):
+            return None
+        return "" if _pid_exists(pid) else None  # no /proc: only existence is known
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else ""
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@lru_cache(maxsize=1)
+def _current(pid: int) -> str:
+    parts = [socket.gethostname(), _boot_id(), _pid_namespace(), str(pid),
+             _start_time(pid) or "", uuid.uuid4().hex[:8]]
+    return SEP.join(p.replace(SEP, "_") for p in parts)
+
+
+def current() -> str:
+    """This process: host, boot, PID namespace, PID, start time, and a random tag."""
+    return _current(os.getpid())
+
+
+def is_dead(identity: str | None) -> bool:
+    """True only when the process ``identity`` names is provably gone."""
+    if not identity:
+        return False
+    parts = identity.split(SEP)
+    if len(parts) != 6:
+        return False
+    host, boot, pidns, pid_text, started, _tag = parts
+    if host != socket.gethostname():
+        return False
+    if boot != _boot_id():
+        return True  # same host, rebooted since
+    if pidns != _pid_namespace() or not pid_text.isdigit():
+        return False
+    if identity == current():
+        return False
+    now_started = _start_time(int(pid_text))
+    if now_started is None:
+        return True
+    return bool(started) and bool(now_started) and now_started != started

@@ -1,0 +1,644 @@
+"""ResilientScheduler: RedBeat with durable slot records and exactly-once catch-up.
+
+RedBeat keeps deciding *when* to look at an entry (its Redis zset, its lock, its entries and
+settings). This class decides *what* to send: every slot between the entry's durable marker
+(SQL) and now, by the entry's catch-up policy, each slot claimed in the store before it is
+published with a task id and work key derived from (entry, slot). Redis meta ``last_run_at``
+is the last slot (not the send time), so RedBeat's due time stays on the schedule's grid.
+
+Recovery, each logged with ``extra={"action": ...}``:
+
+- ``lock_takeover``: the lock's holder is provably dead (same host); the lock is freed at once.
+- ``reconciled``: on start and after every lock takeover, markers are checked against Redis.
+- ``entry_rehydrated`` / ``entry_removed``: an entry lost from Redis is re-created from the
+  store; a dynamic entry deleted through RedBeat is forgotten.
+- ``slot_caught_up`` / ``slot_skipped`` / ``slots_dropped``: a missed slot sent or skipped.
+- ``slot_resent``: a slot claimed but never published (crash) is sent with its task id.
+- ``duplicate_refused``: a slot another beat already claimed or sent is not sent again.
+- ``store_unavailable``: the store is down; beat backs off and retries, sending nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, tzinfo
+from typing import Any
+
+from celery import Celery
+from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
+from redbeat.decoder import RedBeatJSONEncoder
+from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, get_redis
+
+from celery_resilient import workkey
+from celery_resilient.app import Resilient
+from celery_resilient.beat import liveness, windows
+from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
+from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
+from celery_resilient.config import sanitize_url
+from celery_resilient.errors import ConfigurationError, ScheduleError, StoreUnavailable
+from celery_resilient.store.schedule import CLAIMED, Run, ScheduleStore
+from celery_resilient.task import SCHEDULED_FOR_HEADER
+
+log = logging.getLogger(__name__)
+
+#: Test-only kill point: a file path; after the first slot claim commits, the beat creates
+#: the file and SIGKILLs itself (once: an existing file disarms it).
+KILL_AFTER_CLAIM_ENV = "RESILIENT_BEAT_KILL_AFTER_CLAIM"
+
+DEFAULT_LOCK_TIMEOUT = 30.0  # when redbeat_lock_timeout is not set (RedBeat: 1500 s)
+LOCK_POLL_SECONDS = 1.0
+PENDING_EVERY = 5.0  # look for claimed-but-unsent slots this often
+SYNC_EVERY = 30.0  # record definitions of entries added through RedBeat's API
+PRUNE_EVERY = 3600.0
+STALE_CLAIM_SECONDS = 60.0  # a claim older than this is re-sent even if its owner may live
+SEND_BATCH = 500
+TASK_ID_NAMESPACE = uuid.UUID("6f1c2a4e-6a36-4d0b-9a51-5b8a4c3a7e10")
+
+_CAS_DELETE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+def task_id_for(entry_key: str, slot: int) -> str:
+    """The task id of a slot: the same on every beat, every re-send, every restart."""
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{entry_key}\n{slot}"))
+
+
+def work_key_for(entry_key: str, slot: int) -> str:
+    """The work key of a slot, so a slot delivered twice runs once (``ResumableTask``)."""
+    stamp = from_us(slot).isoformat()
+    key = f"beat:{entry_key}@{stamp}"
+    if len(key) > workkey.MAX_LENGTH:
+        key = f"beat:{hashlib.sha256(entry_key.encode()).hexdigest()[:40]}@{stamp}"
+    return key
+
+
+def _tz(sched: Any) -> tzinfo | None:
+    try:
+        tz: tzinfo | None = sched.tz
+    except Exception:  # a schedule without an app or tz: crontab fields then mean UTC
+        return None
+    return tz
+
+
+class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
+    """``beat_scheduler = "celery_resilient.beat:ResilientScheduler"``.
+
+    Needs ``Resilient(app)``. Every RedBeat setting keeps its meaning; the lock timeout
+    defaults to 30 s (not 5 x ``beat_max_loop_interval``) and beat ticks at least every third
+    of it, so a standby takes over within one lock timeout and a restart on the same host at
+    once.
+    """
+
+    def __init__(self, app: Celery, lock_key: str | None = None,
+                 lock_timeout: float | None = None, **kwargs: Any) -> None:
+        self.resilient = Resilient.of(app)
+        self.identity = liveness.current()
+        self.default_policy = CatchupPolicy.from_config(self.resilient.config)
+        self.started_at = 0  # microseconds: when this beat last reconciled (start, takeover)
+        self._slots: ScheduleStore | None = None
+        self._markers: dict[str, int] = {}
+        self._statics: set[str] = set()
+        self._reconciled_for: object = None
+        self._reconciled = False
+        self._next_pending = self._next_sync = self._next_prune = 0.0
+        self._outages = 0
+        super().__init__(app, lock_key=lock_key, lock_timeout=lock_timeout, **kwargs)
+        if not lock_timeout and not app.redbeat_conf.lock_timeout:
+            self.lock_timeout: float = min(float(self.max_interval) * 5, DEFAULT_LOCK_TIMEOUT)
+        if self.lock_key and not kwargs.get("lazy"):
+            self._await_lock()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> ScheduleStore:
+        if self._slots is None:
+            self._slots = ScheduleStore(self.resilient.store)
+        return self._slots
+
+    @property
+    def prefix(self) -> str:
+        prefix: str = self.app.redbeat_conf.key_prefix
+        return prefix
+
+    @property
+    def holder_key(self) -> str:
+        return f"{self.lock_key}:holder"
+
+    @property
+    def generation_key(self) -> str:
+        return f"{self.prefix}:resilient-generation"
+
+    def _redis(self) -> Any:
+        return get_redis(self.app)
+
+    def _lock_token(self) -> str | None:
+        token = getattr(getattr(self.lock, "local", None), "token", None)
+        if isinstance(token, bytes):
+            return token.decode()
+        return None if token is None else str(token)
+
+    def _keep_lock(self) -> None:
+        """Extend RedBeat's lock mid-batch; a lost lock raises, and beat stops sending."""
+        if self.lock_key and self.lock is not None:
+            self.lock.extend(int(self.lock_timeout))
+
+    @property
+    def info(self) -> str:
+        p = self.default_policy
+        return (f"{super().info}\n       . resilient -> "
+                f"{sanitize_url(self.resilient.config.store_url)} catchup={p.mode} "
+                f"max_slots={p.max_slots} deadline={p.deadline} grace={p.grace}s")
+
+    # -- lock -------------------------------------------------------------------------------
+
+    def _await_lock(self) -> None:
+        """Wait until RedBeat's lock is free; free it at once if its holder is provably dead.
+
+        Runs before RedBeat acquires the lock (``beat_init``), so RedBeat's own acquisition
+        never sits behind a dead predecessor's lock.
+        """
+        client = self._redis()
+        waiting = False
+        while True:
+            token = client.get(self.lock_key)
+            if token is None:
+                return
+            holder = _loads(client.get(self.holder_key))
+            if (holder.get("token") == token and liveness.is_dead(holder.get("identity"))):
+                if client.eval(_CAS_DELETE, 1, self.lock_key, token):
+                    log.warning("beat: lock %s held by dead beat %s: taken over", self.lock_key,
+                                holder.get("identity"),
+                                extra={"action": "lock_takeover", "previous": holder})
+                    return
+                continue
+            if not waiting:
+                log.info("beat: waiting for lock %s held by %s", self.lock_key,
+                         holder.get("identity", "an unknown beat"),
+                         extra={"action": "lock_wait"})
+                waiting = True
+            time.sleep(min(LOCK_POLL_SECONDS, float(self.max_interval)))
+
+    def _publish_holder(self) -> None:
+        token = self._lock_token()
+        if token:
+            self._redis().set(self.holder_key,
+                              json.dumps({"token": token, "identity": self.identity}),
+                              px=int(self.lock_timeout * 1000))
+
+    def close(self) -> None:
+        if self.lock_key and self.lock is not None:
+            try:
+                if self.lock.owned():
+                    self._redis().delete(self.holder_key)
+            except Exception:  # closing: Redis may be gone; the record expires anyway
+                log.debug("beat: could not remove lock holder record", exc_info=True)
+        super().close()
+
+    # -- schedule setup ---------------------------------------------------------------------
+
+    def setup_schedule(self) -> None:
+        schedule = self.app.conf.beat_schedule or {}
+        for name, spec in schedule.items():
+            options = spec.get("options") if isinstance(spec, dict) else None
+            try:
+                self.default_policy.for_options(options, name)
+            except ScheduleError as exc:
+                raise ConfigurationError(str(exc)) from None
+        self._statics = set(schedule)
+        super().setup_schedule()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def tick(self, min: Callable[..., Any] = min, **kwargs: Any) -> float:
+        if self.lock_key:
+            self.lock.extend(int(self.lock_timeout))  # as RedBeat: a lost lock ends beat
+            self._publish_holder()
+        remaining: list[float] = []
+        try:
+            token = self._lock_token()
+            if not self._reconciled or token != self._reconciled_for:
+                self._reconcile()
+                self._reconciled, self._reconciled_for = True, token
+            self._maintain()
+            for entry in self.schedule.values():
+                next_time = self.maybe_due(entry, **self._maybe_due_kwargs)
+                if next_time:
+                    remaining.append(next_time)
+        except RuntimeError:
+            log.debug("beat: RuntimeError", exc_info=True)
+        except StoreUnavailable as exc:
+            self._outages += 1
+            cfg = self.resilient.config
+            delay = float(min(cfg.store_retry_base * 2 ** (self._outages - 1),
+                              cfg.store_retry_max, self._tick_cap()))
+            log.warning("beat: store unavailable (%s); nothing sent, retrying in %.1fs", exc,
+                        delay, extra={"action": "store_unavailable"})
+            return delay
+        self._outages = 0
+        return float(min([*remaining, float(self.max_interval), self._tick_cap()]))
+
+    def _tick_cap(self) -> float:
+        """Tick often enough that the lock never expires while beat sleeps."""
+        if self.lock_key:
+            return max(0.1, float(self.lock_timeout) / 3)
+        return float(self.max_interval)
+
+    def maybe_due(self, entry: RedBeatSchedulerEntry, producer: Any = None,
+                  **kwargs: Any) -> float | None:
+        """Send the entry's due slots (by policy); return seconds until its next slot."""
+        key = entry.key
+        sched = entry.schedule
+        tz = _tz(sched)
+        now = to_us(self.app.now())
+        policy = self._policy(entry)
+        anchor = self._anchor(entry, now)
+        sent = 0
+        if not entry.enabled:
+            last = windows.latest_slot(sched, anchor, now, tz)
+            if last is not None:  # a disabled entry's slots pass unsent, not caught up later
+                self._markers[key] = from_seconds(self.slots.advance(key, to_seconds(last)))
+        else:
+            window = windows.slots_between(sched, anchor, now, policy.max_slots, tz)
+            if window.total:
+                sent = self._fire(entry, policy, window, now=now, producer=producer, tz=tz)
+        marker = self._markers[key]
+        nxt = windows.next_slot(sched, marker, tz)
+        if sent or entry.last_run_at is None or to_us(entry.last_run_at) != marker:
+            self._reschedule(entry, marker, nxt, sent, tz)
+        if not entry.enabled:
+            return 5.0
+        if nxt is None:
+            return None
+        return max((nxt - to_us(self.app.now())) / US, 0.01)
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def _policy(self, entry: RedBeatSchedulerEntry) -> CatchupPolicy:
+        try:
+            return self.default_policy.for_options(entry.options, entry.name)
+        except ScheduleError as exc:
+            log.error("beat: %s; using the default policy", exc,
+                      extra={"action": "invalid_entry", "entry": entry.name})
+            return self.default_policy
+
+    def _anchor(self, entry: RedBeatSchedulerEntry, now: int) -> int:
+        """The entry's last slot: the store's marker, else RedBeat's last_run_at, else now."""
+        key = entry.key
+        if key in self._markers:
+            return self._markers[key]
+        marker = self.slots.marker(key)
+        if marker is None:
+            base = min(to_us(entry.last_run_at), now) if entry.last_run_at else now
+            self.slots.ensure_markers([(key, to_seconds(base), self._definition_json(entry))])
+            created = self.slots.marker(key)
+            assert created is not None
+            marker = created
+        self._markers[key] = from_seconds(marker.last_slot)
+        return self._markers[key]
+
+    def _fire(self, entry: RedBeatSchedulerEntry, policy: CatchupPolicy,
+              window: windows.Missed, *, now: int, producer: Any, tz: tzinfo | None) -> int:
+        key, name = entry.key, entry.name
+        decision = decide(policy, window.slots, window.total, now, self.started_at)
+        result = self.slots.claim(
+            key, self.identity,
+            [(to_seconds(s), task_id_for(key, s)) for s in decision.send],
+            [(to_seconds(s), task_id_for(key, s)) for s, _ in decision.skipped],
+            marker=to_seconds(window.slots[-1]), definition_json=self._definition_json(entry),
+        )
+        self._markers[key] = from_seconds(result.marker)
+        _kill_point()
+        self._log_skips(name, decision, policy, tz)
+        claimed = {from_seconds(s) for s in result.claimed}
+        to_send = [s for s in decision.send if s in claimed]
+        for row in result.existing:
+            slot = from_seconds(row.slot)
+            if (row.state == CLAIMED
+                    and (row.owner == self.identity or liveness.is_dead(row.owner))
+                    and self.slots.take_over(key, row.slot, row.owner, self.identity)):
+                to_send.append(slot)
+                continue
+            log.info("beat: %s slot %s already %s by %s; not sent again", name,
+                     _iso(slot, tz), row.state, row.owner,
+                     extra={"action": "duplicate_refused", "entry": name,
+                            "slot": _iso(slot, tz), "state": row.state})
+        to_send.sort()
+        return self._send(entry, to_send, now=now, policy=policy, producer=producer, tz=tz)
+
+    def _log_skips(self, name: str, decision: Decision, policy: CatchupPolicy,
+                   tz: tzinfo | None) -> None:
+        if decision.dropped:
+            log.warning("beat: %s: %d missed slots older than the latest %d skipped (cap)",
+                        name, decision.dropped, policy.max_slots,
+                        extra={"action": "slots_dropped", "entry": name,
+                               "count": decision.dropped})
+        for slot, why in decision.skipped:
+            log.info("beat: %s slot %s skipped (%s, policy %s)", name, _iso(slot, tz), why,
+                     policy.mode, extra={"action": "slot_skipped", "entry": name,
+                                         "slot": _iso(slot, tz), "reason": why})
+
+    def _send(self, entry: RedBeatSchedulerEntry, slots: Sequence[int], *, now: int,
+              policy: CatchupPolicy, producer: Any, tz: tzinfo | None) -> int:
+        """Publish claimed slots in order, recording them sent in batches."""
+        key, name = entry.key, entry.name
+        grace = round(policy.grace * US)
+        done: list[float] = []
+        total = 0
+        try:
+            for slot in slots:
+                self._publish(entry, slot, task_id_for(key, slot), producer, tz)
+                done.append(to_seconds(slot))
+                if slot < self.started_at or now - slot > grace:
+                    log.info("beat: %s slot %s caught up (%.1fs late)", name, _iso(slot, tz),
+                             (now - slot) / US, extra={"action": "slot_caught_up",
+                                                       "entry": name, "slot": _iso(slot, tz)})
+                if len(done) >= SEND_BATCH:
+                    total += self.slots.mark_sent(key, done, self.identity)
+                    done = []
+                    self._keep_lock()
+        except StoreUnavailable:
+            raise
+        except Exception as exc:  # broker trouble: the claimed rows are re-sent later
+            log.error("beat: sending %s failed: %s; its claimed slots are re-sent later",
+                      name, exc, extra={"action": "publish_failed", "entry": name})
+        if done:
+            total += self.slots.mark_sent(key, done, self.identity)
+        return total
+
+    def _publish(self, entry: RedBeatSchedulerEntry, slot: int, task_id: str, producer: Any,
+                 tz: tzinfo | None) -> None:
+        options = strip_options(entry.options or {})
+        options.pop("task_id", None)
+        headers = dict(options.pop("headers", None) or {})
+        headers.update({"celery_beat_task": True,
+                        SCHEDULED_FOR_HEADER: from_us(slot, tz).isoformat(),
+                        workkey.HEADER: work_key_for(entry.key, slot)})
+        args = _evaluate_entry_args(entry.args)
+        kwargs = _evaluate_entry_kwargs(entry.kwargs)
+        task = self.app.tasks.get(entry.task)
+        if task is not None:
+            task.apply_async(args, kwargs, producer=producer, task_id=task_id,
+                             headers=headers, **options)
+        else:
+            self.send_task(entry.task, args, kwargs, producer=producer, task_id=task_id,
+                           headers=headers, **options)
+
+    def _reschedule(self, entry: RedBeatSchedulerEntry, marker: int, nxt: int | None,
+                    sent: int, tz: tzinfo | None) -> None:
+        """RedBeat's meta and score from the marker: ``last_run_at`` is the last slot."""
+        meta = {"last_run_at": from_us(marker, tz),
+                "total_run_count": (entry.total_run_count or 0) + sent}
+        entry.last_run_at = meta["last_run_at"]
+        client = self._redis()
+        if not client.exists(entry.key):
+            return  # deleted meanwhile: do not leave a half entry behind
+        with client.pipeline() as pipe:
+            pipe.hset(entry.key, "meta", json.dumps(meta, cls=RedBeatJSONEncoder))
+            pipe.zadd(self.app.redbeat_conf.schedule_key,
+                      {entry.key: -1 if nxt is None else nxt / US})
+            pipe.execute()
+
+    def _definition_json(self, entry: RedBeatSchedulerEntry) -> str | None:
+        try:
+            definition = json.dumps({
+                "name": entry.name, "task": entry.task, "args": entry.args,
+                "kwargs": entry.kwargs, "options": entry.options, "schedule": entry.schedule,
+                "enabled": entry.enabled,
+            }, cls=RedBeatJSONEncoder)
+        except (TypeError, ValueError):
+            return None
+        return _wrap(definition, entry.name in self._statics)
+
+    # -- reconcile and maintenance -----------------------------------------------------------
+
+    def _reconcile(self) -> None:
+        """Markers against Redis: rehydrate lost entries, fix RedBeat's meta and scores."""
+        started = time.monotonic()
+        client = self._redis()
+        conf = self.app.redbeat_conf
+        prefix = self.prefix
+        now = to_us(self.app.now())
+        self.started_at = now
+        markers = self.slots.markers(prefix)
+        keys = set(client.zrange(conf.schedule_key, 0, -1))
+        hashes = _hashes(client, sorted(keys | set(markers)))
+        rehydrated, removed = self._restore_lost(client, markers, keys, hashes)
+        new: list[tuple[str, float, str | None]] = []
+        changed: list[tuple[str, str]] = []
+        decoded: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        for key, (definition, meta) in hashes.items():
+            if not definition:
+                continue
+            try:
+                d = RedBeatSchedulerEntry.decode_definition(definition)
+            except ValueError:
+                log.error("beat: entry %s has an unreadable definition", key,
+                          extra={"action": "invalid_entry", "entry": key})
+                continue
+            m = RedBeatSchedulerEntry.decode_meta(meta)
+            decoded[key] = (d, m)
+            wrapped = _wrap(definition, d.get("name") in self._statics)
+            known = markers.get(key)
+            if known is None:
+                last = m.get("last_run_at")
+                base = min(to_us(last), now) if isinstance(last, datetime) else now
+                new.append((key, to_seconds(base), wrapped))
+            elif known.definition_json != wrapped:
+                changed.append((key, wrapped))
+        self.slots.ensure_markers(new)
+        self.slots.set_definitions(changed)
+        markers = self.slots.markers(prefix)
+        self._markers = {k: from_seconds(m.last_slot) for k, m in markers.items()
+                         if k in decoded}
+        self._rescore(client, decoded)
+        client.set(self.generation_key, uuid.uuid4().hex, nx=True)
+        self._next_sync = time.monotonic() + SYNC_EVERY
+        self._resend_pending()
+        log.info("beat: reconciled %d entries (%d new, %d rehydrated, %d removed) in %.3fs",
+                 len(decoded), len(new), rehydrated, removed, time.monotonic() - started,
+                 extra={"action": "reconciled", "entries": len(decoded)})
+
+    def _restore_lost(self, client: Any, markers: dict[str, Any], keys: set[str],
+                      hashes: dict[str, tuple[str | None, str | None]]) -> tuple[int, int]:
+        """Re-create entries lost from Redis; forget those deleted on purpose.
+
+        A dynamic entry missing from Redis was lost if Redis lost its data (our generation
+        key is gone too) or only its hash was evicted (still in RedBeat's zset); otherwise it
+        was deleted through RedBeat's API. A static entry is gone when the app no longer has it.
+        """
+        redis_intact = bool(client.exists(self.generation_key))
+        rehydrated = removed = 0
+        for key, marker in markers.items():
+            if hashes.get(key, (None, None))[0]:
+                continue
+            static, definition = _unwrap(marker.definition_json)
+            name = key[len(self.prefix):]
+            if definition is None or (static and name in self._statics):
+                continue
+            if static or (redis_intact and key not in keys):
+                self.slots.forget(key)
+                removed += 1
+                log.info("beat: entry %s no longer exists; forgotten", name,
+                         extra={"action": "entry_removed", "entry": name})
+                continue
+            self._rehydrate(name, definition, from_seconds(marker.last_slot))
+            hashes[key] = (definition, None)
+            rehydrated += 1
+        return rehydrated, removed
+
+    def _rescore(self, client: Any, decoded: dict[str, tuple[dict[str, Any],
+                                                              dict[str, Any]]]) -> None:
+        schedule_key = self.app.redbeat_conf.schedule_key
+        with client.pipeline() as pipe:
+            for key, (d, m) in decoded.items():
+                marker = self._markers.get(key)
+                if marker is None:
+                    continue
+                sched = d.get("schedule")
+                if sched is None:
+                    continue
+                if hasattr(sched, "app"):
+                    sched.app = self.app
+                tz = _tz(sched)
+                nxt = windows.next_slot(sched, marker, tz)
+                meta = {"last_run_at": from_us(marker, tz),
+                        "total_run_count": m.get("total_run_count") or 0}
+                pipe.hset(key, "meta", json.dumps(meta, cls=RedBeatJSONEncoder))
+                pipe.zadd(schedule_key, {key: -1 if nxt is None else nxt / US})
+            pipe.execute()
+
+    def _rehydrate(self, name: str, definition: str, marker: int) -> None:
+        d = RedBeatSchedulerEntry.decode_definition(definition)
+        entry = self.Entry(app=self.app, **d)
+        entry.last_run_at = from_us(marker, _tz(entry.schedule))
+        entry.save()
+        log.warning("beat: entry %s was lost from Redis; restored from the store", name,
+                    extra={"action": "entry_rehydrated", "entry": name})
+
+    def _maintain(self) -> None:
+        clock = time.monotonic()
+        if clock >= self._next_pending:
+            self._next_pending = clock + PENDING_EVERY
+            self._resend_pending()
+        if clock >= self._next_sync:
+            self._next_sync = clock + SYNC_EVERY
+            self._sync_new_entries()
+        if clock >= self._next_prune:
+            self._next_prune = clock + PRUNE_EVERY
+            pruned = self.slots.prune(self.resilient.config.beat_run_retention)
+            if pruned:
+                log.info("beat: pruned %d old slot records", pruned,
+                         extra={"action": "pruned", "count": pruned})
+
+    def _sync_new_entries(self) -> None:
+        """Give entries added through RedBeat's API a durable definition before they fire."""
+        client = self._redis()
+        keys = [k for k in client.zrange(self.app.redbeat_conf.schedule_key, 0, -1)
+                if k not in self._markers]
+        if not keys:
+            return
+        now = to_us(self.app.now())
+        rows: list[tuple[str, float, str | None]] = []
+        for key, (definition, meta) in _hashes(client, keys).items():
+            if not definition:
+                continue
+            last = RedBeatSchedulerEntry.decode_meta(meta).get("last_run_at")
+            base = min(to_us(last), now) if isinstance(last, datetime) else now
+            name = json.loads(definition).get("name")
+            rows.append((key, to_seconds(base), _wrap(definition, name in self._statics)))
+        self.slots.ensure_markers(rows)
+        for key, m in self.slots.markers(self.prefix).items():
+            self._markers.setdefault(key, from_seconds(m.last_slot))
+
+    def _resend_pending(self) -> None:
+        """Send slots that were claimed but never published (a beat died in between)."""
+        rows = self.slots.pending(self.prefix)
+        if not rows:
+            return
+        db_now = self.resilient.store.now()
+        for row in rows:
+            if not self._may_resend(row, db_now):
+                continue
+            try:
+                entry = self.Entry.from_key(row.entry, app=self.app)
+            except KeyError:
+                log.error("beat: claimed slot %s of %s cannot be re-sent: the entry is gone",
+                          row.slot, row.entry, extra={"action": "unrecoverable",
+                                                      "entry": row.entry})
+                continue
+            if row.owner != self.identity and not self.slots.take_over(
+                    row.entry, row.slot, row.owner, self.identity):
+                continue
+            slot = from_seconds(row.slot)
+            tz = _tz(entry.schedule)
+            try:
+                self._publish(entry, slot, row.task_id, self.producer, tz)
+            except Exception as exc:
+                log.error("beat: re-sending %s slot %s failed: %s", entry.name,
+                          _iso(slot, tz), exc, extra={"action": "publish_failed",
+                                                      "entry": entry.name})
+                return
+            self.slots.mark_sent(row.entry, [row.slot], self.identity)
+            log.warning("beat: %s slot %s was claimed by %s but never sent; re-sent as %s",
+                        entry.name, _iso(slot, tz), row.owner, row.task_id,
+                        extra={"action": "slot_resent", "entry": entry.name,
+                               "slot": _iso(slot, tz), "task_id": row.task_id})
+
+    def _may_resend(self, row: Run, db_now: float) -> bool:
+        return (row.owner == self.identity or liveness.is_dead(row.owner)
+                or db_now - row.claimed_at > STALE_CLAIM_SECONDS)
+
+
+def _iso(slot: int, tz: tzinfo | None) -> str:
+    return from_us(slot, tz).isoformat()
+
+
+def _kill_point() -> None:
+    path = os.environ.get(KILL_AFTER_CLAIM_ENV)
+    if path and not os.path.exists(path):
+        with open(path, "w") as fh:
+            fh.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _loads(text: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _wrap(definition: str, static: bool) -> str:
+    return json.dumps({"static": static, "definition": definition}, sort_keys=True)
+
+
+def _unwrap(text: str | None) -> tuple[bool, str | None]:
+    data = _loads(text)
+    definition = data.get("definition")
+    return bool(data.get("static")), definition if isinstance(definition, str) else None
+
+
+def _hashes(client: Any, keys: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
+    """RedBeat's ``definition`` and ``meta`` of each key, in one round trip."""
+    keys = list(keys)
+    if not keys:
+        return {}
+    with client.pipeline() as pipe:
+        for key in keys:
+            pipe.hmget(key, "definition", "meta")
+        values = pipe.execute()
+    return {k: (v[0], v[1]) for k, v in zip(keys, values, strict=True)}
+
+
+__all__ = ["KILL_AFTER_CLAIM_ENV", "ResilientScheduler", "task_id_for", "work_key_for"]

@@ -1,0 +1,245 @@
+"""Every query for beat slots: ``schedule_runs`` (one row per slot) and ``schedule_markers``.
+
+A slot is claimed (row inserted, state ``claimed``) in the same transaction that moves the
+entry's marker past it; the message is published after that commits, then the row is marked
+``sent``. The primary key (entry, slot) makes a second claim of the same slot impossible, so two
+beats never both send it; a ``claimed`` row left by a dead beat is taken over (compare-and-set
+on its owner) and sent again with the same task id.
+
+Slots are float seconds since the epoch (see :mod:`celery_resilient.beat.windows`): integer
+microseconds divided by 10**6, which round-trip exactly through both dialects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, and_, case, delete, select, tuple_, update
+
+from celery_resilient.store.sql import Store, guarded
+
+CLAIMED, SENT, SKIPPED = "claimed", "sent", "skipped"
+CHUNK = 400  # rows per multi-row statement: far below every dialect's parameter limit
+
+
+@dataclass(frozen=True)
+class Marker:
+    entry: str
+    last_slot: float
+    definition_json: str | None
+
+
+@dataclass(frozen=True)
+class Run:
+    entry: str
+    slot: float
+    state: str
+    task_id: str
+    owner: str | None
+    claimed_at: float
+    sent_at: float | None
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """``claimed``: slots this call inserted; ``existing``: rows already there; ``marker``."""
+
+    claimed: tuple[float, ...]
+    existing: tuple[Run, ...]
+    marker: float
+
+
+def _chunks(items: Sequence[Any], size: int = CHUNK) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+class ScheduleStore:
+    """Durable slot records for the beat scheduler, on a :class:`Store`'s engine and tables."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.runs = store.t.schedule_runs
+        self.markers_t = store.t.schedule_markers
+
+    # -- markers --------------------------------------------------------------------------
+
+    @guarded
+    def markers(self, prefix: str = "") -> dict[str, Marker]:
+        """Every marker whose entry key starts with ``prefix``."""
+        m = self.markers_t
+        q = select(m.c.entry, m.c.last_slot, m.c.definition_json)
+        if prefix:
+            q = q.where(m.c.entry.startswith(prefix, autoescape=True))
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(q).all()
+            conn.rollback()
+        return {r.entry: Marker(r.entry, float(r.last_slot), r.definition_json) for r in rows}
+
+    @guarded
+    def marker(self, entry: str) -> Marker | None:
+        m = self.markers_t
+        with self.store.engine.connect() as conn:
+            r = conn.execute(select(m.c.entry, m.c.last_slot, m.c.definition_json)
+                             .where(m.c.entry == entry)).first()
+            conn.rollback()
+        return None if r is None else Marker(r.entry, float(r.last_slot), r.definition_json)
+
+    @guarded
+    def ensure_markers(self, rows: Sequence[tuple[str, float, str | None]]) -> None:
+        """Create missing markers ``(entry, last_slot, definition_json)``; keep existing ones."""
+        if not rows:
+            return
+        m = self.markers_t
+        now = self.store.now()
+        with self.store.begin() as conn:
+            for chunk in _chunks(rows):
+                conn.execute(self.store.dialect.insert(m).values([
+                    {"entry": e, "last_slot": s, "definition_json": d, "updated_at": now}
+                    for e, s, d in chunk
+                ]).on_conflict_do_nothing(index_elements=[m.c.entry]))
+
+    @guarded
+    def set_definitions(self, rows: Sequence[tuple[str, str]]) -> None:
+        """Record the current definition of entries ``(entry, definition_json)``."""
+        m = self.markers_t
+        with self.store.begin() as conn:
+            for entry, definition in rows:
+                conn.execute(update(m).where(m.c.entry == entry)
+                             .values(definition_json=definition))
+
+    @guarded
+    def advance(self, entry: str, last_slot: float) -> float:
+        """Move the marker forward to ``last_slot`` (never back); return the marker."""
+        with self.store.begin() as conn:
+            return self._advance(conn, entry, last_slot, None)
+
+    def _advance(self, conn: Connection, entry: str, last_slot: float,
+                 definition_json: str | None) -> float:
+        m = self.markers_t
+        now = self.store.dialect.now()
+        ins = self.store.dialect.insert(m).values(
+            entry=entry, last_slot=last_slot, definition_json=definition_json, updated_at=now)
+        later = case((ins.excluded.last_slot > m.c.last_slot, ins.excluded.last_slot),
+                     else_=m.c.last_slot)
+        set_: dict[str, Any] = {"last_slot": later, "updated_at": ins.excluded.updated_at}
+        if definition_json is not None:
+            set_["definition_json"] = ins.excluded.definition_json
+        stmt = ins.on_conflict_do_update(index_elements=[m.c.entry], set_=set_)
+        conn.execute(stmt)
+        return float(conn.execute(select(m.c.last_slot).where(m.c.entry == entry)).scalar_one())
+
+    @guarded
+    def forget(self, entry: str) -> None:
+        """Drop an entry that no longer exists (its slot history stays until pruned)."""
+        with self.store.begin() as conn:
+            conn.execute(delete(self.markers_t).where(self.markers_t.c.entry == entry))
+
+    # -- slots ----------------------------------------------------------------------------
+
+    @guarded
+    def claim(self, entry: str, owner: str, send: Sequence[tuple[float, str]],
+              skipped: Sequence[tuple[float, str]], *, marker: float,
+              definition_json: str | None = None) -> ClaimResult:
+        """Claim slots to send and record skipped ones, moving the marker, in one transaction.
+
+        ``send`` and ``skipped`` are ``(slot, task_id)``. A slot that already has a row is not
+        claimed again; its row is returned in ``existing`` for the caller to judge.
+        """
+        r = self.runs
+        d = self.store.dialect
+        now = d.now()
+        claimed: list[float] = []
+        with self.store.begin() as conn:
+            for rows, state in ((send, CLAIMED), (skipped, SKIPPED)):
+                for chunk in _chunks(rows):
+                    stmt = d.insert(r).values([
+                        {"entry": entry, "slot": s, "state": state, "task_id": tid,
+                         "owner": owner, "claimed_at": now}
+                        for s, tid in chunk
+                    ]).on_conflict_do_nothing(index_elements=[r.c.entry, r.c.slot])
+                    inserted = {float(x) for x in conn.execute(stmt.returning(r.c.slot)).scalars()}
+                    if state == CLAIMED:
+                        claimed.extend(s for s, _ in chunk if s in inserted)
+            taken = set(claimed)
+            wanted = [s for s, _ in send if s not in taken]
+            existing: list[Run] = []
+            for chunk in _chunks(wanted):
+                existing.extend(_run(x) for x in conn.execute(
+                    select(r).where(r.c.entry == entry, r.c.slot.in_(chunk))).all())
+            current = self._advance(conn, entry, marker, definition_json)
+        return ClaimResult(tuple(claimed), tuple(existing), current)
+
+    @guarded
+    def mark_sent(self, entry: str, slots: Sequence[float], owner: str) -> int:
+        """Record slots as sent (only rows this owner still holds)."""
+        r = self.runs
+        n = 0
+        with self.store.begin() as conn:
+            now = self.store.dialect.now()
+            for chunk in _chunks(slots):
+                n += conn.execute(update(r).where(
+                    r.c.entry == entry, r.c.slot.in_(chunk), r.c.state == CLAIMED,
+                    r.c.owner == owner).values(state=SENT, sent_at=now)).rowcount
+        return n
+
+    @guarded
+    def take_over(self, entry: str, slot: float, previous_owner: str | None,
+                  owner: str) -> bool:
+        """Compare-and-set a ``claimed`` row to a new owner; False if someone else moved it."""
+        r = self.runs
+        cond = [r.c.entry == entry, r.c.slot == slot, r.c.state == CLAIMED]
+        cond.append(r.c.owner.is_(None) if previous_owner is None
+                    else r.c.owner == previous_owner)
+        with self.store.begin() as conn:
+            res = conn.execute(update(r).where(and_(*cond)).values(
+                owner=owner, claimed_at=self.store.dialect.now()))
+        return bool(res.rowcount == 1)
+
+    @guarded
+    def pending(self, prefix: str = "", limit: int = 1000) -> list[Run]:
+        """Claimed slots not yet recorded as sent, oldest first, with the database's now."""
+        r = self.runs
+        q = select(r).where(r.c.state == CLAIMED).order_by(r.c.claimed_at, r.c.slot).limit(limit)
+        if prefix:
+            q = q.where(r.c.entry.startswith(prefix, autoescape=True))
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(q).all()
+            conn.rollback()
+        return [_run(x) for x in rows]
+
+    @guarded
+    def runs_of(self, entry: str) -> list[Run]:
+        """Every recorded slot of an entry, oldest first (for operators and tests)."""
+        r = self.runs
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(select(r).where(r.c.entry == entry).order_by(r.c.slot)).all()
+            conn.rollback()
+        return [_run(x) for x in rows]
+
+    @guarded
+    def get_runs(self, keys: Sequence[tuple[str, float]]) -> list[Run]:
+        r = self.runs
+        out: list[Run] = []
+        with self.store.engine.connect() as conn:
+            for chunk in _chunks(keys):
+                out.extend(_run(x) for x in conn.execute(
+                    select(r).where(tuple_(r.c.entry, r.c.slot).in_(list(chunk)))).all())
+            conn.rollback()
+        return out
+
+    @guarded
+    def prune(self, older_than: float) -> int:
+        """Delete sent and skipped slot rows claimed more than ``older_than`` seconds ago."""
+        r = self.runs
+        with self.store.begin() as conn:
+            cutoff = self.store.dialect.now() - older_than
+            return int(conn.execute(delete(r).where(
+                r.c.state.in_((SENT, SKIPPED)), r.c.claimed_at < cutoff)).rowcount)
+
+
+def _run(row: Any) -> Run:
+    return Run(row.entry, float(row.slot), row.state, row.task_id, row.owner,
+               float(row.claimed_at), None if row.sent_at is None else float(row.sent_at))
