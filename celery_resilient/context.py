@@ -132,7 +132,7 @@ class ContextStore:
     def get(self, key: str) -> Context:
         """The stored context; :class:`ContextNotFound` if it exists nowhere."""
         key = _check_key(key)
-        version, text = self._get_local(key) if self._local else self._get_shared(key)
+        version, text = self._get_local(key) if self._local is not None else self._get_shared(key)
         return Context(self, key, version, _as_object(codec.decode(text), key))
 
     def create(self, key: str, data: Mapping[str, Any]) -> Context:

@@ -62,10 +62,11 @@ class ContextRows:
         stmt = (self.store.dialect.insert(c)
                 .values(key=key, version=1, data_json=data_json,
                         updated_at=self.store.dialect.now())
-                .on_conflict_do_nothing(index_elements=[c.c.key]))
+                .on_conflict_do_nothing(index_elements=[c.c.key])
+                .returning(c.c.version))  # rowcount is unreliable here on psycopg 3
         with self.store.begin() as conn:
             self._fence(conn, fence)
-            if conn.execute(stmt).rowcount != 1:
+            if conn.execute(stmt).scalar_one_or_none() is None:
                 current = self._version(conn, key)
                 raise ContextConflict(
                     f"context {key!r} already exists (version {current}); read it with get() "
