@@ -18,38 +18,35 @@ KEEP_PROPERTIES = ("correlation_id", "reply_to", "priority")
 
 def from_kombu(message: Any) -> str:
     """Encode a received ``kombu.Message`` for the store."""
-    body = message.body
-    if isinstance(body, str):
-        body_field: dict[str, str] = {"text": body}
-    else:
-        try:
-            body_field = {"text": bytes(body).decode("utf-8")}
-        except UnicodeDecodeError:
-            body_field = {"b64": base64.b64encode(bytes(body)).decode("ascii")}
     info = message.delivery_info or {}
     props = message.properties or {}
-    return json.dumps({
-        "body": body_field,
-        "content_type": message.content_type,
-        "content_encoding": message.content_encoding,
-        "headers": dict(message.headers or {}),
-        "properties": {k: props[k] for k in KEEP_PROPERTIES if props.get(k) is not None},
-        "exchange": info.get("exchange") or "",
-        "routing_key": info.get("routing_key") or "",
-    }, default=str)
+    return _encode(message.body, message.content_type, message.content_encoding,
+                   dict(message.headers or {}), props, info.get("exchange") or "",
+                   info.get("routing_key") or "")
 
 
 def from_publish(body: bytes | str, content_type: str, content_encoding: str,
                  headers: dict[str, Any], properties: dict[str, Any], exchange: str,
                  routing_key: str) -> str:
     """Encode a message about to be published (durable submit)."""
-    if isinstance(body, bytes):
+    return _encode(body, content_type, content_encoding, headers, properties, exchange,
+                   routing_key)
+
+
+def _encode(body: bytes | str, content_type: str | None, content_encoding: str | None,
+            headers: dict[str, Any], properties: dict[str, Any], exchange: str,
+            routing_key: str) -> str:
+    # Text only when the message itself says its body is UTF-8 text; anything else (pickle,
+    # msgpack, "binary") is kept as exact bytes, even when those bytes happen to be ASCII.
+    raw = body.encode(content_encoding or "utf-8") if isinstance(body, str) else bytes(body)
+    body_field: dict[str, str]
+    if (content_encoding or "").lower().replace("-", "") == "utf8":
         try:
-            body_field = {"text": body.decode("utf-8")}
+            body_field = {"text": raw.decode("utf-8")}
         except UnicodeDecodeError:
-            body_field = {"b64": base64.b64encode(body).decode("ascii")}
+            body_field = {"b64": base64.b64encode(raw).decode("ascii")}
     else:
-        body_field = {"text": body}
+        body_field = {"b64": base64.b64encode(raw).decode("ascii")}
     return json.dumps({
         "body": body_field,
         "content_type": content_type,
@@ -65,8 +62,9 @@ def publish(connection: Connection, message_json: str, extra_headers: dict[str, 
     """Send a stored message again, unchanged but for ``extra_headers``."""
     m = json.loads(message_json)
     body_field = m["body"]
-    body: bytes | str = (base64.b64decode(body_field["b64"]) if "b64" in body_field
-                         else body_field["text"])
+    encoding = m.get("content_encoding") or "utf-8"
+    body = (base64.b64decode(body_field["b64"]) if "b64" in body_field
+            else body_field["text"].encode(encoding))  # always bytes: never re-encoded
     headers = {**m.get("headers", {}), **extra_headers}
     producer: Any = connection.Producer()  # type: ignore[no-untyped-call]
     producer.publish(
