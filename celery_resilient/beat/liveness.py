@@ -43,6 +43,8 @@ def _start_time(pid: int) -> str | None:
             return None
         return "" if _pid_exists(pid) else None  # no /proc: only existence is known
     fields = stat[stat.rfind(")") + 2:].split()
+    if fields and fields[0] in ("Z", "X"):
+        return None  # a zombie waiting to be reaped is as dead as it gets
     return fields[19] if len(fields) > 19 else ""
 
 
