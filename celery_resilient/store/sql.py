@@ -306,7 +306,8 @@ class Store:
             if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
                 return TakeOutcome(
                     "held", reason=f"running on {row.owner_node} (epoch {row.epoch})")
-            died = True
+            # A copy re-sent by the execution itself (store outage) replaces it: no death.
+            died = row.epoch != supersedes
         deaths = row.deaths + (1 if died else 0)
         if deaths >= max_attempts:
             reason = f"its execution died {deaths} times (resilient_max_attempts={max_attempts})"

@@ -658,3 +658,12 @@ def test_ledger_mark_says_whether_it_inserted(store: Store) -> None:
         assert store.ledger_mark(conn, "m", None, None, "1") is True
         assert store.ledger_mark(conn, "m", None, None, "2") is False
     assert store.ledger_get("m") == "1"
+
+
+def test_a_copy_that_supersedes_its_epoch_takes_over_without_a_death(store: Store) -> None:
+    """The store went down mid-task: the execution re-sent itself naming its epoch and stopped."""
+    run(store, "k", owner("a@host"))  # lease live, owner alive: only `supersedes` lets it in
+    claim = run(store, "k", owner("b@host"), supersedes=1)
+    assert (claim.epoch, claim.deaths) == (2, 0)
+    # A copy naming an older epoch does not take a live claim.
+    assert take(store, "k", owner("c@host"), supersedes=1).action == "held"

@@ -1,0 +1,157 @@
+"""PostgreSQL goes down mid-task and comes back: nothing lost, nothing doubled.
+
+The outage is real: a throwaway cluster of this test's own (initdb on a free port) is stopped
+with ``pg_ctl stop -m immediate`` while a real ``celery worker`` is checkpointing, and started
+again once the worker has logged that it is retrying. The machine's own server is untouched.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_resilient import codec
+from celery_resilient.testing import EffectLog, wait_for
+
+from .conftest import Project
+
+ROWS = 20
+DELAY = 0.15
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name) or next(iter(sorted(glob.glob(
+        f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+    if found is None:
+        pytest.fail(f"{name} not found: install PostgreSQL server binaries")  # never skip
+    return found
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL cluster in a temporary directory, on a free port, owned by this test."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="resilient-pg-", dir="/tmp"))
+        self.data = self.dir / "data"
+        self.log = self.dir / "server.log"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        # initdb refuses to run as root: run the cluster as the postgres account then.
+        self.user = "postgres" if os.geteuid() == 0 else None
+        if self.user:
+            shutil.chown(self.dir, self.user)
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run(argv, check=True, user=self.user, capture_output=True, timeout=120)
+
+    def init(self) -> ThrowawayPostgres:
+        self._run(_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+                  "--no-sync", "-E", "UTF8")
+        return self
+
+    def start(self) -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60",
+                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1", "start")
+
+    def stop_immediately(self) -> None:
+        """The outage: every backend killed at once, no shutdown checkpoint."""
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def running(self) -> bool:
+        return subprocess.run([_pg_bin("pg_ctl"), "-D", str(self.data), "status"],
+                              check=False, user=self.user, capture_output=True).returncode == 0
+
+    def destroy(self) -> None:
+        if self.data.exists() and self.running():
+            self.stop_immediately()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def throwaway_pg() -> Iterator[ThrowawayPostgres]:
+    pg = ThrowawayPostgres().init()
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.destroy()
+
+
+def _rows_done(effects: EffectLog, key: str) -> int:
+    return sum(1 for e in effects.entries() if e["effect"].startswith(f"row:{key}:"))
+
+
+def _store_retries(logs: str, task_id: str) -> int:
+    """How often the worker logged 'store unavailable (<driver error>); <id> re-sent in Ns'."""
+    return len(re.findall(rf"store unavailable \(.*?\); {re.escape(task_id)} re-sent in",
+                          logs, flags=re.DOTALL))
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_postgresql_outage_mid_task_loses_nothing(make_project: Callable[..., Project],
+                                                  broker_url: str,
+                                                  throwaway_pg: ThrowawayPostgres,
+                                                  effect_log: EffectLog) -> None:
+    project = make_project(broker_url, throwaway_pg.url)
+    project.extra = {"resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2}
+    worker = project.worker()
+    key = project.send("ingest", ROWS, DELAY, task_id="outage-ingest")
+    wait_for(lambda: _rows_done(effect_log, key) >= 5, 30, "5 checkpointed rows")
+
+    throwaway_pg.stop_immediately()
+    down_after_rows = _rows_done(effect_log, key)
+    # Work sent while the store is down must not be lost either.
+    short_key = project.send("short", 21, task_id="outage-short")
+    wait_for(lambda: _store_retries(worker.process.logs(), key) >= 1, 30,
+             "the worker to log a store retry of the running task")
+    wait_for(lambda: _store_retries(worker.process.logs(), short_key) >= 1, 30,
+             "the worker to log a store retry of the task sent during the outage")
+    assert _rows_done(effect_log, key) <= down_after_rows + 1  # no progress without a store
+
+    throwaway_pg.start()
+    wait_for(lambda: project.all_done([key, short_key]), 60,
+             "both tasks to finish once the store is back")
+
+    entries = effect_log.entries()
+    starts = [e for e in entries if e["effect"] == f"start:{key}"]
+    assert len(starts) == 2, f"expected the first run and one resumed run, got {starts}"
+    resumed_at = int(starts[1]["row"])
+    assert (starts[0]["epoch"], starts[0]["row"], starts[1]["epoch"]) == (1, 0, 2)
+    before = sorted(int(e["effect"].rsplit(":", 1)[1]) for e in entries
+                    if e["effect"].startswith(f"row:{key}:") and e["epoch"] == 1)
+    after = sorted(int(e["effect"].rsplit(":", 1)[1]) for e in entries
+                   if e["effect"].startswith(f"row:{key}:") and e["epoch"] == 2)
+    assert before == list(range(len(before))) and len(before) >= 5
+    # Resumed from the last checkpoint: the row whose save hit the outage, or the next one
+    # when that save committed just before the connection died. Never from zero.
+    assert resumed_at in (len(before) - 1, len(before)), (resumed_at, before)
+    assert after == list(range(resumed_at, ROWS)), "rows after the resume point not run once"
+    counts = effect_log.counts()
+    assert counts[f"notify:{key}"] == 1, "step effect not applied exactly once"
+    assert counts[f"charge:{key}"] == 1, "ledger effect not applied exactly once"
+    assert counts[f"short:{short_key}"] == 1
+
+    row = project.store.get_work(key)
+    assert row is not None and row.state == "done" and row.epoch == 2
+    # A store outage is not a death of the worker: it must not count toward max_attempts.
+    assert row.deaths == 0, f"the outage was counted as {row.deaths} death(s)"
+    assert codec.decode(row.result_json) == {"rows": ROWS, "notify": "sent",
+                                             "charge": f"receipt-{key}"}
+    short = project.store.get_work(short_key)
+    assert short is not None and codec.decode(short.result_json) == 42
+    found = project.store.load_checkpoint(key)
+    assert found is not None and codec.decode(found[0]) == {"row": ROWS}
+    logs: Any = worker.process.logs()
+    assert "Traceback" not in logs, logs[-4000:]
