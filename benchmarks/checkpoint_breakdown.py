@@ -1,0 +1,97 @@
+"""Where a PostgreSQL checkpoint save spends its time: what-if variants, measured side by side.
+
+Not a change to the library: each variant builds the store's engine differently in this process
+only (``celery_resilient.store.engine.build_engine`` is replaced here), to size what each
+round trip costs. Variants:
+
+- ``as shipped``: the library's engine (``pool_pre_ping=True``), ``Checkpoint.save``;
+- ``no pre-ping``: the same without the connection-checkout ping (one round trip less);
+- ``no pre-ping, synchronous_commit=off``: also without waiting for the WAL flush on commit;
+- ``bare round trip``: one ``SELECT 1`` on a checked-out connection (the floor of any call).
+
+    python benchmarks/checkpoint_breakdown.py [--samples 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from bench_common import markdown_table, percentile
+from checkpoint_latency import claim, drop, timed
+from sqlalchemy import Engine, create_engine, event, text
+
+from celery_resilient.config import ResilientConfig
+from celery_resilient.store import engine as engine_module
+from celery_resilient.store.sql import Store
+
+
+def variant_engine(pre_ping: bool, sync_commit: bool) -> Callable[[str], Engine]:
+    def build(url: str) -> Engine:
+        engine = create_engine(url, pool_pre_ping=pre_ping, pool_size=5, max_overflow=5,
+                               connect_args={"connect_timeout": 5})
+        if not sync_commit:
+            @event.listens_for(engine, "connect")
+            def _async_commit(dbapi_conn: Any, _record: Any) -> None:
+                with dbapi_conn.cursor() as cur:
+                    cur.execute("SET synchronous_commit = off")
+                dbapi_conn.commit()
+        return engine
+
+    return build
+
+
+def run(url: str, samples: int, build: Callable[[str], Engine] | None) -> list[float]:
+    original = engine_module.build_engine
+    if build is not None:
+        engine_module.build_engine = build
+    prefix = f"brk{uuid.uuid4().hex[:8]}_"
+    store = Store(url, prefix)
+    try:
+        store.migrate()
+        config = ResilientConfig.from_mapping({"resilient_store_url": url,
+                                               "resilient_table_prefix": prefix})
+        checkpoint = claim(store, config, "bench-key")
+        for i in range(300):
+            checkpoint.save({"row": i})
+        return [timed(lambda i=i: checkpoint.save({"row": i})) for i in range(samples)]
+    finally:
+        drop(store)
+        engine_module.build_engine = original
+
+
+def bare_round_trip(url: str, samples: int) -> list[float]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            for _ in range(300):
+                conn.execute(text("SELECT 1"))
+            return [timed(lambda: conn.execute(text("SELECT 1"))) for _ in range(samples)]
+    finally:
+        engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--pg-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
+    args = parser.parse_args(argv)
+    cases = [
+        ("as shipped (pool_pre_ping=True)", run(args.pg_url, args.samples, None)),
+        ("no pre-ping", run(args.pg_url, args.samples, variant_engine(False, True))),
+        ("no pre-ping, synchronous_commit=off",
+         run(args.pg_url, args.samples, variant_engine(False, False))),
+        ("bare round trip (SELECT 1)", bare_round_trip(args.pg_url, args.samples)),
+    ]
+    print(markdown_table(
+        ["PostgreSQL checkpoint save", "p50 ms", "p99 ms", "mean ms"],
+        [(name, f"{percentile(v, 50):.3f}", f"{percentile(v, 99):.3f}",
+          f"{sum(v) / len(v):.3f}") for name, v in cases]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
