@@ -25,6 +25,7 @@ from celery_resilient.testing import EffectLog, wait_for
 
 from .conftest import Project
 
+pytestmark = pytest.mark.e2e
 ROWS = 20
 DELAY = 0.15
 

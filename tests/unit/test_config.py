@@ -175,3 +175,10 @@ def test_config_is_frozen() -> None:
 def test_sanitize_url_masks_passwords(url: str, expected: str) -> None:
     assert sanitize_url(url) == expected
     assert "s3cret" not in sanitize_url(url)
+
+
+def test_unsupported_store_dialect_names_the_key() -> None:
+    from celery_resilient.store.sql import Store
+
+    with pytest.raises(ConfigurationError, match="resilient_store_url uses the 'mysql' dialect"):
+        Store("mysql://user@127.0.0.1/db")
