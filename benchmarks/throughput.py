@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             if mode.store_url and not mode.store_url.startswith("sqlite"):
                 drop_tables(mode.store_url, mode.prefix)
-        for mode in modes:
-            bench.redis.delete(mode.queue)
+        for key in bench.redis.scan_iter(f"*{tag}*"):  # our queues and kombu's bindings
+            bench.redis.delete(key)
 
     print("load average at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print()

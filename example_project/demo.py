@@ -315,7 +315,8 @@ def _forget_queue(client: Any, queue: str) -> None:
     try:
         with client.connection_for_write() as conn:
             redis_client = conn.default_channel.client
-            redis_client.delete(queue)
+            for name in redis_client.scan_iter(f"*{queue}*"):  # the queue, kombu's bindings
+                redis_client.delete(name)
             for tag, raw in redis_client.hscan_iter("unacked"):
                 try:
                     routing_key = json.loads(raw)[2]
