@@ -13,7 +13,13 @@ from celery_resilient.store.sql import Store
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.plugin import NodeFactory
 
-pytestmark = pytest.mark.e2e
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e starts real processes: mark it so `-m "not e2e"` works."""
+    for item in items:
+        if "/tests/e2e/" in str(item.path):
+            item.add_marker(pytest.mark.e2e)
 
 
 class Project:
