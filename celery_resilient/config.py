@@ -107,6 +107,12 @@ class ResilientConfig:
             raise bad("catchup", f"must be one of {', '.join(CATCHUP_POLICIES)}")
         if self.catchup_deadline is not None and self.catchup_deadline <= 0:
             raise bad("catchup_deadline", "must be a positive number of seconds or None")
+        if self.context_cache_url is not None and not self.context_cache_url.startswith(
+                ("redis://", "rediss://", "unix://", "memory://")):
+            raise bad("context_cache_url", "use a redis://, rediss:// or unix:// URL, or "
+                      "memory:// for an in-process cache")
+        if self.context_retention is not None and self.context_retention <= 0:
+            raise bad("context_retention", "must be a positive number of seconds or None")
         for name in ("catchup_grace", "beat_run_retention"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be a positive number of seconds")

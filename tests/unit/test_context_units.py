@@ -13,6 +13,7 @@ from celery_resilient import (
     ContextConflict,
     ContextStore,
     Resilient,
+    ResilientConfig,
     SerializationError,
 )
 from celery_resilient.context import Context, ContextStats, _check_key, _encode
@@ -101,3 +102,10 @@ def test_stats_and_errors_survive_pickling() -> None:
     err = pickle.loads(pickle.dumps(ContextConflict("context 'k' is at version 3, not 2")))
     assert str(err) == "context 'k' is at version 3, not 2"
     assert CacheUnavailable("x", skipped=True).skipped
+
+
+@pytest.mark.parametrize(("key", "value"), [("resilient_context_cache_url", "memcached://x"),
+                                            ("resilient_context_retention", -5)])
+def test_invalid_context_settings_fail_at_startup(key: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=key):
+        ResilientConfig.from_mapping({key: value})
