@@ -59,6 +59,7 @@ SYNC_EVERY = 30.0  # record definitions of entries added through RedBeat's API
 PRUNE_EVERY = 3600.0
 STALE_CLAIM_SECONDS = 60.0  # a claim older than this is re-sent even if its owner may live
 SEND_BATCH = 500
+RECORD_SKIPS = 1000  # at least this many of a window's latest slots are recorded when skipped
 TASK_ID_NAMESPACE = uuid.UUID("6f1c2a4e-6a36-4d0b-9a51-5b8a4c3a7e10")
 
 _CAS_DELETE = """
@@ -268,7 +269,8 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             if last is not None:  # a disabled entry's slots pass unsent, not caught up later
                 self._markers[key] = from_seconds(self.slots.advance(key, to_seconds(last)))
         else:
-            window = windows.slots_between(sched, anchor, now, policy.max_slots, tz)
+            limit = max(policy.max_slots, RECORD_SKIPS)
+            window = windows.slots_between(sched, anchor, now, limit, tz)
             if window.total:
                 sent = self._fire(entry, policy, window, now=now, producer=producer, tz=tz)
         marker = self._markers[key]

@@ -2,6 +2,7 @@
 
 Configured by environment: RESILIENT_BROKER, RESILIENT_STORE_URL, RESILIENT_TABLE_PREFIX,
 RESILIENT_QUEUE, RESILIENT_EFFECT_LOG, RESILIENT_BEAT_PREFIX (RedBeat key prefix),
+RESILIENT_BEAT_REDIS (RedBeat's Redis, default the broker),
 RESILIENT_BEAT_SCHEDULE (JSON: name -> {"every": seconds, "options": {...}}) and optional
 RESILIENT_EXTRA (JSON of extra app.conf settings).
 """
@@ -30,7 +31,7 @@ app.conf.update(
     worker_hijack_root_logger=True,
     beat_scheduler="celery_resilient.beat:ResilientScheduler",
     beat_max_loop_interval=1,
-    redbeat_redis_url=BROKER,
+    redbeat_redis_url=os.environ.get("RESILIENT_BEAT_REDIS", BROKER),
     redbeat_key_prefix=os.environ.get("RESILIENT_BEAT_PREFIX", "redbeat:"),
     redbeat_lock_timeout=6,
     beat_schedule={
