@@ -33,6 +33,7 @@ class Resilient:
         self._store: Store | None = None
         self._schema_ready = False
         self._lock = threading.Lock()
+        self.receipts = receipts.ReceiptBuffer()
         setattr(app, _ATTR, self)
         from .worker import ResilientWorkerStep
 

@@ -20,7 +20,7 @@ def _runtime(ctx: click.Context) -> Resilient:
 
 @click.group(name="resilient", cls=click.Group)
 @click.pass_context
-@handle_preload_options
+@handle_preload_options  # type: ignore[untyped-decorator]
 def resilient(ctx: click.Context) -> None:
     """celery-resilient: migrate the store, inspect claims."""
 

@@ -13,10 +13,10 @@ from typing import Any
 from kombu.utils.json import dumps as _kombu_dumps
 from kombu.utils.json import loads as _kombu_loads
 
+from .errors import SerializationError
+
 _dumps: Callable[[Any], str] = _kombu_dumps
 _loads: Callable[[str], Any] = _kombu_loads
-
-from .errors import SerializationError
 
 
 def encode(value: Any, what: str = "value") -> str:

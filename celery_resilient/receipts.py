@@ -11,17 +11,59 @@ before the broker sees it, which survives a broker that loses its data.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kombu.serialization import dumps as kombu_dumps
 
-from . import codec, identity, messages, workkey
-from .errors import ResilientError, StoreUnavailable
+from . import codec, messages, workkey
+from .errors import ResilientError
+from .store.sql import Receipt
 
 if TYPE_CHECKING:
     from .app import Resilient
 
 log = logging.getLogger(__name__)
+MAX_PENDING = 100_000
+
+
+class ReceiptBuffer:
+    """Deliveries waiting to be written, flushed in batches by the worker's maintainer thread.
+
+    The broker's event loop only appends here; one multi-row statement per flush keeps the
+    store off the path of message consumption. The broker still holds every message unacked
+    until its task finishes, so a receipt lost with the process costs speed, not work.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[Receipt] = deque()
+        self._lock = threading.Lock()
+        self.arrived = threading.Event()
+
+    def add(self, receipt: Receipt) -> None:
+        with self._lock:
+            if len(self._items) >= MAX_PENDING:
+                dropped = self._items.popleft()
+                log.warning("receipt buffer full; dropped receipt of %s", dropped.work_key,
+                            extra={"action": "receipt_dropped", "work_key": dropped.work_key})
+            self._items.append(receipt)
+        self.arrived.set()
+
+    def take_all(self) -> list[Receipt]:
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+            self.arrived.clear()
+        return items
+
+    def put_back(self, items: list[Receipt]) -> None:
+        with self._lock:
+            self._items.extendleft(reversed(items))
+        self.arrived.set()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def record_received(rt: Resilient, request: Any) -> None:
@@ -33,15 +75,9 @@ def record_received(rt: Resilient, request: Any) -> None:
     msg = request.message
     try:
         key = workkey.derive(task, request.id, request.args, request.kwargs, msg.headers)
-        digest = _digest(request.args, request.kwargs)
-        rt.store.record_receipt(
-            key, request.name, request.id, digest, messages.from_kombu(msg),
-            identity.owner(request.hostname), rt.config.lease_seconds,
-        )
-    except StoreUnavailable as exc:
-        # The message is still unacked at the broker; the pool process will retry the store.
-        log.warning("could not record receipt of %s: %s", request.id, exc,
-                    extra={"action": "receipt_failed", "task_id": request.id})
+        rt.receipts.add(Receipt(key, request.name, request.id,
+                                _digest(request.args, request.kwargs),
+                                messages.from_kombu(msg)))
     except ResilientError as exc:
         log.error("could not record receipt of %s: %s", request.id, exc,
                   extra={"action": "receipt_failed", "task_id": request.id})

@@ -34,6 +34,17 @@ class Maintainer(threading.Thread):
         self._stop_event = threading.Event()
         self.rounds = 0
 
+    def flush_receipts(self) -> int:
+        """Write every buffered delivery in one statement; on failure keep them for later."""
+        items = self.rt.receipts.take_all()
+        if items:
+            try:
+                self.rt.store.record_receipts(items, self.owner, self.rt.config.lease_seconds)
+            except BaseException:
+                self.rt.receipts.put_back(items)
+                raise
+        return len(items)
+
     def run(self) -> None:
         cfg = self.rt.config
         next_heartbeat = next_sweep = time.monotonic()
@@ -41,6 +52,7 @@ class Maintainer(threading.Thread):
         while not self._stop_event.is_set():
             now = time.monotonic()
             try:
+                self.flush_receipts()
                 if now >= next_heartbeat:
                     self.rt.store.heartbeat(self.owner, cfg.lease_seconds)
                     next_heartbeat = now + cfg.heartbeat_interval
@@ -60,10 +72,14 @@ class Maintainer(threading.Thread):
                 wait = min(cfg.store_retry_base * 2 ** min(failures, 10), cfg.sweep_interval)
                 log.exception("maintenance round failed; retrying in %.1fs", wait,
                               extra={"action": "maintenance_error"})
-            self._stop_event.wait(wait)
+            if failures:
+                self._stop_event.wait(wait)
+            else:  # wake early for new receipts
+                self.rt.receipts.arrived.wait(wait)
 
     def stop(self) -> None:
         self._stop_event.set()
+        self.rt.receipts.arrived.set()
 
 
 class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -91,6 +107,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.maintainer.stop()
         self.maintainer.join(timeout=5)
         try:
+            self.maintainer.flush_receipts()
             self.maintainer.rt.store.mark_stopped(self.maintainer.owner,
                                                   self.maintainer.rt.config.submit_timeout)
         except ResilientError as exc:

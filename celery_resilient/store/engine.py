@@ -11,10 +11,22 @@ import os
 import threading
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+WRITE_OPTION = "resilient_write"
+
+
+def for_writing(conn: Connection) -> Connection:
+    """Mark a connection, before its transaction begins, as one that will write.
+
+    On SQLite a writing transaction takes the lock up front (``BEGIN IMMEDIATE``) so it never
+    deadlocks upgrading a read lock; a reading one uses a deferred ``BEGIN`` and does not
+    queue behind writers (WAL readers never block).
+    """
+    conn.execution_options(**{WRITE_OPTION: True})  # sets it on this connection in place
+    return conn
 
 
 def _sqlite_engine(url: str) -> Engine:
@@ -35,8 +47,8 @@ def _sqlite_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        # Take the write lock up front: no deadlock upgrading a read lock mid-transaction.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        writing = conn.get_execution_options().get(WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if writing else "BEGIN")
 
     return engine
 

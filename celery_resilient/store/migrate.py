@@ -12,6 +12,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine
 
 from ..errors import SchemaError
+from .engine import for_writing
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 FIX_COMMAND = "celery -A <your app> resilient migrate"
@@ -46,7 +47,7 @@ def current_revision(engine: Engine, prefix: str) -> str | None:
 
 
 def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
-    with engine.begin() as conn:
+    with engine.connect() as conn, for_writing(conn).begin():
         _current_prefix.append(prefix)
         try:
             command.upgrade(_config(prefix, conn), revision)
@@ -55,7 +56,7 @@ def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
 
 
 def downgrade(engine: Engine, prefix: str, revision: str) -> None:
-    with engine.begin() as conn:
+    with engine.connect() as conn, for_writing(conn).begin():
         _current_prefix.append(prefix)
         try:
             command.downgrade(_config(prefix, conn), revision)

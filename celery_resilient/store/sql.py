@@ -11,18 +11,30 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy import Connection, Engine, Row, and_, delete, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Row,
+    and_,
+    case,
+    delete,
+    func,
+    or_,
+    select,
+    true,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from ..errors import StaleClaimError, StoreUnavailable, WorkKeyConflict
 from . import migrate
 from .dialect import Dialect
-from .engine import EngineHolder
+from .engine import EngineHolder, for_writing
 from .schema import DEAD, DONE, FAILED, OPEN_STATES, REQUEUED, RESERVED, RUNNING, build_tables
 
 log = logging.getLogger(__name__)
@@ -54,6 +66,17 @@ class Owner:
     node: str
     incarnation: str
     pid: int
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """A delivered message of a resumable task, as the worker's main process saw it."""
+
+    work_key: str
+    task_name: str
+    task_id: str
+    args_digest: str | None
+    message_json: str | None
 
 
 @dataclass(frozen=True)
@@ -132,7 +155,7 @@ class Store:
     @guarded
     def _connect(self) -> Connection:
         """A connection with its transaction begun: an unreachable store is StoreUnavailable."""
-        conn = self.engine.connect()
+        conn = for_writing(self.engine.connect())
         try:
             conn.begin()
         except BaseException:
@@ -197,36 +220,62 @@ class Store:
 
     # -- claims -----------------------------------------------------------------------------
 
-    @guarded
     def record_receipt(
         self, work_key: str, task_name: str, task_id: str, args_digest: str | None,
         message_json: str | None, owner: Owner, lease_seconds: float,
     ) -> None:
-        """Remember a delivered message (running or prefetched) as reserved by ``owner``."""
+        """Remember one delivered message (running or prefetched) as reserved by ``owner``."""
+        self.record_receipts(
+            [Receipt(work_key, task_name, task_id, args_digest, message_json)], owner,
+            lease_seconds)
+
+    @guarded
+    def record_receipts(self, receipts: Sequence[Receipt], owner: Owner,
+                        lease_seconds: float) -> None:
+        """Record many deliveries in one statement (the worker batches them).
+
+        A claim that is reserved or requeued becomes reserved by ``owner``; a running, done,
+        failed or dead one keeps its state and owner. Either way the exact broker message is
+        kept, so any claim can be re-published.
+        """
+        if not receipts:
+            return
         w = self.t.work
         now = self.dialect.now()
-        ins = self.dialect.insert(w).values(
-            work_key=work_key, task_name=task_name, task_id=task_id, args_digest=args_digest,
-            state=RESERVED, epoch=0, owner_node=owner.node, incarnation=owner.incarnation,
-            owner_pid=None, lease_expires_at=now + lease_seconds, attempts=0, deaths=0,
-            republished=0, message_json=message_json, created_at=now, updated_at=now,
-        )
-        excluded = ins.excluded
+        unique = {r.work_key: r for r in receipts}  # one row per key per statement
+        ins = self.dialect.insert(w).values([
+            {"work_key": r.work_key, "task_name": r.task_name, "task_id": r.task_id,
+             "args_digest": r.args_digest, "state": RESERVED, "epoch": 0,
+             "owner_node": owner.node, "incarnation": owner.incarnation, "owner_pid": None,
+             "lease_expires_at": now + lease_seconds, "attempts": 0, "deaths": 0,
+             "republished": 0, "message_json": r.message_json, "created_at": now,
+             "updated_at": now}
+            for r in unique.values()
+        ])
+        x = ins.excluded
+        takeable = w.c.state.in_((RESERVED, REQUEUED))
+
+        def when_takeable(new: Any, old: Any) -> Any:
+            return case((takeable, new), else_=old)
+
         stmt = ins.on_conflict_do_update(
             index_elements=[w.c.work_key],
             set_={
-                "owner_node": excluded.owner_node,
-                "incarnation": excluded.incarnation,
-                "owner_pid": None,
-                "lease_expires_at": excluded.lease_expires_at,
-                "state": RESERVED,
-                "task_id": excluded.task_id,
-                "message_json": func.coalesce(excluded.message_json, w.c.message_json),
-                "updated_at": excluded.updated_at,
+                "owner_node": when_takeable(x.owner_node, w.c.owner_node),
+                "incarnation": when_takeable(x.incarnation, w.c.incarnation),
+                "owner_pid": when_takeable(None, w.c.owner_pid),
+                "lease_expires_at": when_takeable(x.lease_expires_at, w.c.lease_expires_at),
+                "task_id": when_takeable(x.task_id, w.c.task_id),
+                "state": when_takeable(RESERVED, w.c.state),
+                "message_json": func.coalesce(x.message_json, w.c.message_json),
+                "updated_at": x.updated_at,
             },
-            where=w.c.state.in_((RESERVED, REQUEUED)),
         )
         with self.begin() as conn:
+            if not self.dialect.is_sqlite:
+                # A receipt is a hint the broker can always give again: it need not wait
+                # for the WAL flush. Claims, checkpoints and results always do.
+                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             conn.execute(stmt)
 
     @guarded
@@ -276,6 +325,24 @@ class Store:
     ) -> TakeOutcome:
         w = self.t.work
         now = self.dialect.now()
+        fast = conn.execute(
+            # The common case in one statement: a reserved or requeued claim, compatible
+            # arguments, under the death cap. Anything else takes the careful path below.
+            update(w)
+            .where(w.c.work_key == work_key, w.c.state.in_((RESERVED, REQUEUED)),
+                   w.c.deaths < max_attempts,
+                   or_(w.c.args_digest.is_(None), w.c.args_digest == args_digest)
+                   if args_digest else true())
+            .values(state=RUNNING, epoch=w.c.epoch + 1, owner_node=owner.node,
+                    incarnation=owner.incarnation, owner_pid=owner.pid,
+                    lease_expires_at=now + lease_seconds, attempts=w.c.attempts + 1,
+                    task_id=task_id, error=None,
+                    args_digest=func.coalesce(w.c.args_digest, args_digest), updated_at=now)
+            .returning(w.c.epoch, w.c.attempts, w.c.deaths)
+        ).first()
+        if fast is not None:
+            return TakeOutcome("run", Claim(work_key, int(fast.epoch), int(fast.attempts),
+                                            int(fast.deaths)))
         row = conn.execute(
             select(w, self.dialect.now().label("db_now"))
             .where(w.c.work_key == work_key)
