@@ -18,7 +18,6 @@ so the same slot computed twice is the same key, bit for bit.
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -214,13 +213,20 @@ def _solar_iter(sched: Any, after: int) -> Iterator[int]:
 # -- anything else -------------------------------------------------------------------------
 
 def _generic_iter(sched: Any, after: int, tz: tzinfo | None) -> Iterator[int]:
-    """Step through ``remaining_estimate`` with the schedule's clock pinned to each slot."""
-    clone = copy.copy(sched)
+    """Step through ``remaining_estimate`` with the schedule's clock pinned to each slot.
+
+    The clock (``nowfun``) is swapped on the schedule itself for each step and restored at
+    once: beat is single-threaded, and some schedules (RedBeat's rrule) cannot be copied.
+    """
     cursor = after
     for _ in range(MAX_GENERIC_STEPS):
         point = from_us(cursor, tz)
-        clone.nowfun = lambda point=point: point
-        delta = clone.remaining_estimate(point)
+        saved = sched.__dict__.get("nowfun")
+        sched.nowfun = lambda point=point: point
+        try:
+            delta = sched.remaining_estimate(point)
+        finally:
+            sched.nowfun = saved
         if delta is None:
             return
         nxt = to_us(point + delta)
