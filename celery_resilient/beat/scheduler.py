@@ -356,14 +356,16 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         grace = round(policy.grace * US)
         done: list[float] = []
         total = 0
+        send = self._sender(entry, producer)
         try:
             for slot in slots:
-                self._publish(entry, slot, task_id_for(key, slot), producer, tz)
+                stamp = _iso(slot, tz)
+                send(slot, task_id_for(key, slot), stamp)
                 done.append(to_seconds(slot))
                 if slot < self.started_at or now - slot > grace:
-                    log.info("beat: %s slot %s caught up (%.1fs late)", name, _iso(slot, tz),
+                    log.info("beat: %s slot %s caught up (%.1fs late)", name, stamp,
                              (now - slot) / US, extra={"action": "slot_caught_up",
-                                                       "entry": name, "slot": _iso(slot, tz)})
+                                                       "entry": name, "slot": stamp})
                 if len(done) >= SEND_BATCH:
                     total += self.slots.mark_sent(key, done, self.identity)
                     done = []
@@ -377,23 +379,29 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             total += self.slots.mark_sent(key, done, self.identity)
         return total
 
-    def _publish(self, entry: RedBeatSchedulerEntry, slot: int, task_id: str, producer: Any,
-                 tz: tzinfo | None) -> None:
+    def _sender(self, entry: RedBeatSchedulerEntry,
+                producer: Any) -> Callable[[int, str, str], None]:
+        """A function publishing one slot of ``entry`` (options resolved once per entry)."""
         options = strip_options(entry.options or {})
         options.pop("task_id", None)
-        headers = dict(options.pop("headers", None) or {})
-        headers.update({"celery_beat_task": True,
-                        SCHEDULED_FOR_HEADER: from_us(slot, tz).isoformat(),
-                        workkey.HEADER: work_key_for(entry.key, slot)})
-        args = _evaluate_entry_args(entry.args)
-        kwargs = _evaluate_entry_kwargs(entry.kwargs)
+        base_headers = dict(options.pop("headers", None) or {})
+        base_headers["celery_beat_task"] = True
         task = self.app.tasks.get(entry.task)
-        if task is not None:
-            task.apply_async(args, kwargs, producer=producer, task_id=task_id,
-                             headers=headers, **options)
-        else:
-            self.send_task(entry.task, args, kwargs, producer=producer, task_id=task_id,
-                           headers=headers, **options)
+        key = entry.key
+
+        def send(slot: int, task_id: str, scheduled_for: str) -> None:
+            headers = {**base_headers, SCHEDULED_FOR_HEADER: scheduled_for,
+                       workkey.HEADER: work_key_for(key, slot)}
+            args = _evaluate_entry_args(entry.args)
+            kwargs = _evaluate_entry_kwargs(entry.kwargs)
+            if task is not None:
+                task.apply_async(args, kwargs, producer=producer, task_id=task_id,
+                                 headers=headers, **options)
+            else:
+                self.send_task(entry.task, args, kwargs, producer=producer, task_id=task_id,
+                               headers=headers, **options)
+
+        return send
 
     def _reschedule(self, entry: RedBeatSchedulerEntry, marker: int, nxt: int | None,
                     sent: int, tz: tzinfo | None) -> None:
@@ -584,7 +592,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             slot = from_seconds(row.slot)
             tz = _tz(entry.schedule)
             try:
-                self._publish(entry, slot, row.task_id, self.producer, tz)
+                self._sender(entry, self.producer)(slot, row.task_id, _iso(slot, tz))
             except Exception as exc:
                 log.error("beat: re-sending %s slot %s failed: %s", entry.name,
                           _iso(slot, tz), exc, extra={"action": "publish_failed",

@@ -150,27 +150,31 @@ class ScheduleStore:
         """
         r = self.runs
         d = self.store.dialect
-        now = d.now()
-        claimed: list[float] = []
+        mine = {s for s, _ in send}
+        lo, hi = (min(mine), max(mine)) if mine else (0.0, -1.0)
+        in_range = select(r).where(r.c.entry == entry, r.c.slot >= lo, r.c.slot <= hi)
         with self.store.begin() as conn:
+            before = {float(x.slot) for x in conn.execute(in_range).all()} if mine else set()
             for rows, state in ((send, CLAIMED), (skipped, SKIPPED)):
-                for chunk in _chunks(rows):
-                    stmt = d.insert(r).values([
-                        {"entry": entry, "slot": s, "state": state, "task_id": tid,
-                         "owner": owner, "claimed_at": now}
-                        for s, tid in chunk
-                    ]).on_conflict_do_nothing(index_elements=[r.c.entry, r.c.slot])
-                    inserted = {float(x) for x in conn.execute(stmt.returning(r.c.slot)).scalars()}
-                    if state == CLAIMED:
-                        claimed.extend(s for s, _ in chunk if s in inserted)
-            taken = set(claimed)
-            wanted = [s for s, _ in send if s not in taken]
+                if not rows:
+                    continue
+                stmt = d.insert(r).values(entry=entry, state=state, owner=owner,
+                                          claimed_at=d.now()).on_conflict_do_nothing(
+                    index_elements=[r.c.entry, r.c.slot])
+                # executemany of one cached statement, batched by SQLAlchemy and the driver
+                conn.execute(stmt, [{"slot": s, "task_id": tid} for s, tid in rows])
+            claimed: list[float] = []
             existing: list[Run] = []
-            for chunk in _chunks(wanted):
-                existing.extend(_run(x) for x in conn.execute(
-                    select(r).where(r.c.entry == entry, r.c.slot.in_(chunk))).all())
+            for x in conn.execute(in_range).all() if mine else ():
+                slot = float(x.slot)
+                if slot not in mine:
+                    continue
+                if slot not in before and x.owner == owner:
+                    claimed.append(slot)  # owners are unique per process: this is our insert
+                else:
+                    existing.append(_run(x))
             current = self._advance(conn, entry, marker, definition_json)
-        return ClaimResult(tuple(claimed), tuple(existing), current)
+        return ClaimResult(tuple(sorted(claimed)), tuple(existing), current)
 
     @guarded
     def mark_sent(self, entry: str, slots: Sequence[float], owner: str) -> int:
