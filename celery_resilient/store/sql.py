@@ -19,14 +19,18 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy import (
     Connection,
     Engine,
+    Float,
+    Integer,
     Row,
+    String,
+    Text,
     and_,
+    bindparam,
     case,
     delete,
     func,
     or_,
     select,
-    true,
     update,
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -131,6 +135,75 @@ class WorkRow:
     updated_at: float
 
 
+class _Hot:
+    """Statements on every task's path, built once: no per-call construction or cache keys."""
+
+    def __init__(self, t: Any, dialect: Dialect) -> None:
+        w = t.work
+        now = dialect.now()
+        self.take_fast = (
+            # The common take in one statement: a reserved or requeued claim, compatible
+            # arguments, under the death cap. Anything else takes the careful path.
+            update(w)
+            .where(w.c.work_key == bindparam("k"), w.c.state.in_((RESERVED, REQUEUED)),
+                   w.c.deaths < bindparam("max_attempts", type_=Integer),
+                   or_(w.c.args_digest.is_(None), bindparam("digest", type_=String).is_(None),
+                       w.c.args_digest == bindparam("digest", type_=String)))
+            .values(state=RUNNING, epoch=w.c.epoch + 1, owner_node=bindparam("node"),
+                    incarnation=bindparam("inc"), owner_pid=bindparam("pid"),
+                    lease_expires_at=now + bindparam("lease", type_=Float),
+                    attempts=w.c.attempts + 1, task_id=bindparam("task_id"), error=None,
+                    args_digest=func.coalesce(w.c.args_digest,
+                                              bindparam("digest", type_=String)),
+                    updated_at=now)
+            .returning(w.c.epoch, w.c.attempts, w.c.deaths)
+        )
+        self.close = (
+            update(w)
+            .where(w.c.work_key == bindparam("k"), w.c.epoch == bindparam("e"),
+                   w.c.state == RUNNING)
+            .values(state=bindparam("state"), result_json=bindparam("result_json"),
+                    error=bindparam("error"), owner_pid=None, lease_expires_at=None,
+                    updated_at=now, finished_at=now)
+        )
+        self.fence = (
+            update(w)
+            .where(w.c.work_key == bindparam("k"), w.c.epoch == bindparam("e"),
+                   w.c.state == RUNNING)
+            .values(updated_at=now)
+        )
+        ins = dialect.insert(w).values(
+            work_key=bindparam("work_key"), task_name=bindparam("task_name"),
+            task_id=bindparam("task_id"), args_digest=bindparam("args_digest", type_=String),
+            state=RESERVED, epoch=0, owner_node=bindparam("node"),
+            incarnation=bindparam("inc"), owner_pid=None,
+            lease_expires_at=now + bindparam("lease", type_=Float), attempts=0, deaths=0,
+            republished=0, message_json=bindparam("message_json", type_=Text),
+            created_at=now, updated_at=now,
+        )
+        x = ins.excluded
+        takeable = w.c.state.in_((RESERVED, REQUEUED))
+
+        def when_takeable(new: Any, old: Any) -> Any:
+            return case((takeable, new), else_=old)
+
+        # A reserved or requeued claim becomes reserved by this worker; a running, done,
+        # failed or dead one keeps its state and owner. The exact message is always kept.
+        self.receipt = ins.on_conflict_do_update(
+            index_elements=[w.c.work_key],
+            set_={
+                "owner_node": when_takeable(x.owner_node, w.c.owner_node),
+                "incarnation": when_takeable(x.incarnation, w.c.incarnation),
+                "owner_pid": when_takeable(None, w.c.owner_pid),
+                "lease_expires_at": when_takeable(x.lease_expires_at, w.c.lease_expires_at),
+                "task_id": when_takeable(x.task_id, w.c.task_id),
+                "state": when_takeable(RESERVED, w.c.state),
+                "message_json": func.coalesce(x.message_json, w.c.message_json),
+                "updated_at": x.updated_at,
+            },
+        )
+
+
 class Store:
     """The durable store: claims, checkpoints, steps, ledger, contexts, schedule records."""
 
@@ -142,6 +215,7 @@ class Store:
 
         self.dialect = Dialect(make_url(url).get_backend_name())
         self.t = build_tables(table_prefix)
+        self._hot = _Hot(self.t, self.dialect)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -195,12 +269,7 @@ class Store:
 
     def fence(self, conn: Connection, work_key: str, epoch: int) -> None:
         """Refuse the transaction unless ``epoch`` still holds the running claim."""
-        w = self.t.work
-        res = conn.execute(
-            update(w)
-            .where(w.c.work_key == work_key, w.c.epoch == epoch, w.c.state == RUNNING)
-            .values(updated_at=self.dialect.now())
-        )
+        res = conn.execute(self._hot.fence, {"k": work_key, "e": epoch})
         if res.rowcount != 1:
             raise StaleClaimError(
                 f"claim on work {work_key!r} at epoch {epoch} was superseded; write refused"
@@ -240,43 +309,17 @@ class Store:
         """
         if not receipts:
             return
-        w = self.t.work
-        now = self.dialect.now()
         unique = {r.work_key: r for r in receipts}  # one row per key per statement
-        ins = self.dialect.insert(w).values([
-            {"work_key": r.work_key, "task_name": r.task_name, "task_id": r.task_id,
-             "args_digest": r.args_digest, "state": RESERVED, "epoch": 0,
-             "owner_node": owner.node, "incarnation": owner.incarnation, "owner_pid": None,
-             "lease_expires_at": now + lease_seconds, "attempts": 0, "deaths": 0,
-             "republished": 0, "message_json": r.message_json, "created_at": now,
-             "updated_at": now}
-            for r in unique.values()
-        ])
-        x = ins.excluded
-        takeable = w.c.state.in_((RESERVED, REQUEUED))
-
-        def when_takeable(new: Any, old: Any) -> Any:
-            return case((takeable, new), else_=old)
-
-        stmt = ins.on_conflict_do_update(
-            index_elements=[w.c.work_key],
-            set_={
-                "owner_node": when_takeable(x.owner_node, w.c.owner_node),
-                "incarnation": when_takeable(x.incarnation, w.c.incarnation),
-                "owner_pid": when_takeable(None, w.c.owner_pid),
-                "lease_expires_at": when_takeable(x.lease_expires_at, w.c.lease_expires_at),
-                "task_id": when_takeable(x.task_id, w.c.task_id),
-                "state": when_takeable(RESERVED, w.c.state),
-                "message_json": func.coalesce(x.message_json, w.c.message_json),
-                "updated_at": x.updated_at,
-            },
-        )
+        rows = [{"work_key": r.work_key, "task_name": r.task_name, "task_id": r.task_id,
+                 "args_digest": r.args_digest, "message_json": r.message_json,
+                 "node": owner.node, "inc": owner.incarnation, "lease": lease_seconds}
+                for r in unique.values()]
         with self.begin() as conn:
             if not self.dialect.is_sqlite:
                 # A receipt is a hint the broker can always give again: it need not wait
                 # for the WAL flush. Claims, checkpoints and results always do.
                 conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-            conn.execute(stmt)
+            conn.execute(self._hot.receipt, rows)  # executemany: batched VALUES
 
     @guarded
     def record_submission(
@@ -325,21 +368,11 @@ class Store:
     ) -> TakeOutcome:
         w = self.t.work
         now = self.dialect.now()
-        fast = conn.execute(
-            # The common case in one statement: a reserved or requeued claim, compatible
-            # arguments, under the death cap. Anything else takes the careful path below.
-            update(w)
-            .where(w.c.work_key == work_key, w.c.state.in_((RESERVED, REQUEUED)),
-                   w.c.deaths < max_attempts,
-                   or_(w.c.args_digest.is_(None), w.c.args_digest == args_digest)
-                   if args_digest else true())
-            .values(state=RUNNING, epoch=w.c.epoch + 1, owner_node=owner.node,
-                    incarnation=owner.incarnation, owner_pid=owner.pid,
-                    lease_expires_at=now + lease_seconds, attempts=w.c.attempts + 1,
-                    task_id=task_id, error=None,
-                    args_digest=func.coalesce(w.c.args_digest, args_digest), updated_at=now)
-            .returning(w.c.epoch, w.c.attempts, w.c.deaths)
-        ).first()
+        fast = conn.execute(self._hot.take_fast, {
+            "k": work_key, "max_attempts": max_attempts, "digest": args_digest,
+            "node": owner.node, "inc": owner.incarnation, "pid": owner.pid,
+            "lease": lease_seconds, "task_id": task_id,
+        }).first()
         if fast is not None:
             return TakeOutcome("run", Claim(work_key, int(fast.epoch), int(fast.attempts),
                                             int(fast.deaths)))
@@ -426,15 +459,9 @@ class Store:
 
     def _close(self, work_key: str, epoch: int, state: str, result_json: str | None = None,
                error: str | None = None) -> None:
-        w = self.t.work
-        now = self.dialect.now()
         with self.begin() as conn:
-            res = conn.execute(
-                update(w)
-                .where(w.c.work_key == work_key, w.c.epoch == epoch, w.c.state == RUNNING)
-                .values(state=state, result_json=result_json, error=error, owner_pid=None,
-                        lease_expires_at=None, updated_at=now, finished_at=now)
-            )
+            res = conn.execute(self._hot.close, {"k": work_key, "e": epoch, "state": state,
+                                                 "result_json": result_json, "error": error})
             if res.rowcount != 1:
                 raise StaleClaimError(
                     f"claim on work {work_key!r} at epoch {epoch} was superseded; "
