@@ -59,7 +59,7 @@ def plain_publish(broker: str, count: int) -> float:
     queue = f"bench-{uuid.uuid4().hex[:6]}"
     with app.producer_or_acquire() as producer:
         began = time.perf_counter()
-        for i in range(count):
+        for _ in range(count):
             app.send_task("bench.noop", (), {}, producer=producer, queue=queue,
                           task_id=str(uuid.uuid4()), headers={"celery_beat_task": True})
         elapsed = time.perf_counter() - began
@@ -139,9 +139,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=10_000)
     parser.add_argument("--entries", type=int, default=1_000)
     args = parser.parse_args()
-    log_file = tempfile.NamedTemporaryFile(prefix="beat-bench-", suffix=".log", delete=False)
-    logging.basicConfig(filename=log_file.name, level=logging.INFO)
-    print(f"store {args.store.split('@')[-1]}, redis {args.redis}; log {log_file.name}")
+    log_path = tempfile.mkstemp(prefix="beat-bench-", suffix=".log")[1]
+    logging.basicConfig(filename=log_path, level=logging.INFO)
+    print(f"store {args.store.split('@')[-1]}, redis {args.redis}; log {log_path}")
     floor = plain_publish(args.redis, args.slots)
     took = catchup(args.redis, args.store, args.slots)
     print(f"catch-up / plain publish = {took / floor:.2f}x")
