@@ -56,7 +56,8 @@ def _sqlite_engine(url: str) -> Engine:
 def build_engine(url: str) -> Engine:
     if make_url(url).get_backend_name() == "sqlite":
         return _sqlite_engine(url)
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5,
+    # No pre-ping: a stale pooled connection is detected on use and retried once (``guarded``).
+    return create_engine(url, pool_size=5, max_overflow=5,
                          connect_args=_connect_args(url))
 
 

@@ -47,12 +47,24 @@ T = TypeVar("T")
 
 
 def guarded(fn: Callable[P, T]) -> Callable[P, T]:
-    """Turn a lost or refused database connection into :class:`StoreUnavailable`."""
+    """Turn a lost or refused database connection into :class:`StoreUnavailable`.
+
+    A pooled connection found dead (the server restarted since it was used) is retried once
+    on a fresh one: nothing of that transaction was committed, so running it again is safe.
+    This replaces a pre-ping round trip on every checkout. A failure *at commit* has an
+    unknown outcome and is never retried here (``Store.begin`` raises it as unavailable).
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except DBAPIError as exc:
+                if not exc.connection_invalidated:
+                    raise
+                log.info("store connection was stale during %s; retrying once", fn.__name__)
+                return fn(*args, **kwargs)
         except OperationalError as exc:
             raise StoreUnavailable(f"store unreachable during {fn.__name__}: {exc.orig}") from exc
         except DBAPIError as exc:
@@ -182,7 +194,8 @@ class _Hot:
             created_at=now, updated_at=now,
         )
         x = ins.excluded
-        takeable = w.c.state.in_((RESERVED, REQUEUED))
+        # No IN (...) here: expanding parameters cannot be used with executemany.
+        takeable = or_(w.c.state == RESERVED, w.c.state == REQUEUED)
 
         def when_takeable(new: Any, old: Any) -> Any:
             return case((takeable, new), else_=old)

@@ -667,3 +667,23 @@ def test_a_copy_that_supersedes_its_epoch_takes_over_without_a_death(store: Stor
     assert (claim.epoch, claim.deaths) == (2, 0)
     # A copy naming an older epoch does not take a live claim.
     assert take(store, "k", owner("c@host"), supersedes=1).action == "held"
+
+
+def test_record_receipts_batch_keeps_running_claims_and_fills_messages(store: Store) -> None:
+    """The worker flushes many deliveries in one executemany statement."""
+    from celery_resilient.store.sql import Receipt
+
+    a, b = owner("a@host"), owner("b@host")
+    run(store, "running-elsewhere", a)  # taken before its receipt was flushed: no message
+    batch = [Receipt(f"k{i}", "proj.task", f"t{i}", None, f'{{"m": {i}}}') for i in range(3)]
+    batch.append(Receipt("running-elsewhere", "proj.task", "t-dup", None, '{"m": "raw"}'))
+    batch.append(Receipt("k0", "proj.task", "t0", None, '{"m": "again"}'))  # same key twice
+    store.record_receipts(batch, b, 30)
+
+    for i in range(3):
+        row = store.get_work(f"k{i}")
+        assert row is not None and row.state == "reserved" and row.owner_node == "b@host"
+    assert store.get_message("k0") == '{"m": "again"}'
+    kept = store.get_work("running-elsewhere")
+    assert kept is not None and kept.state == "running" and kept.owner_node == "a@host"
+    assert store.get_message("running-elsewhere") == '{"m": "raw"}'
