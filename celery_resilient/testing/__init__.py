@@ -5,9 +5,19 @@ follow pytest-celery's node API (``CeleryTestWorker``/``CeleryTestNode``) with a
 process in place of a Docker container, since resilience is proven by killing real processes.
 """
 
+from typing import Any
+
 from .effects import EffectLog
-from .nodes import LocalBeat, LocalWorker
 from .process import LocalProcess
 from .waiting import WaitTimeout, wait_for
 
 __all__ = ["EffectLog", "LocalBeat", "LocalProcess", "LocalWorker", "WaitTimeout", "wait_for"]
+
+
+def __getattr__(name: str) -> Any:
+    """The nodes need pytest-celery (the ``testing`` extra); the rest does not."""
+    if name in ("LocalBeat", "LocalWorker"):
+        from . import nodes
+
+        return getattr(nodes, name)
+    raise AttributeError(name)
