@@ -38,15 +38,22 @@ if os.environ.get("BENCH_RESILIENT", "0") == "1":
     Resilient(app)
 
 
+_BODY_S = float(os.environ.get("BENCH_BODY_MS", "0")) / 1000
+
+
 @app.task(name="bench.plain", acks_late=True)
 def plain(n: int) -> int:
-    """The baseline: a trivial task with ``acks_late=True``."""
+    """The baseline: a task with ``acks_late=True`` (trivial unless BENCH_BODY_MS is set)."""
+    if _BODY_S:
+        time.sleep(_BODY_S)
     return n
 
 
 @app.task(name="bench.resumable", base=ResumableTask, bind=True)
 def resumable(self: ResumableTask, n: int) -> int:
-    """The same trivial body as a ResumableTask (claim, finish, receipt, all in the store)."""
+    """The same body as a ResumableTask (claim, finish, receipt, all in the store)."""
+    if _BODY_S:
+        time.sleep(_BODY_S)
     return n
 
 

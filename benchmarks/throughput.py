@@ -63,7 +63,8 @@ class Mode:
 
 class Bench:
     def __init__(self, broker: str, concurrency: int, tmp: Path,
-                 profile_dir: Path | None) -> None:
+                 profile_dir: Path | None, body_ms: float = 0.0) -> None:
+        self.body_ms = body_ms
         self.broker = broker
         self.concurrency = concurrency
         self.tmp = tmp
@@ -74,7 +75,8 @@ class Bench:
 
     def start(self, mode: Mode) -> None:
         env = {"BENCH_BROKER": self.broker, "BENCH_QUEUE": mode.queue,
-               "BENCH_RESILIENT": "1" if mode.store_url else "0"}
+               "BENCH_RESILIENT": "1" if mode.store_url else "0",
+               "BENCH_BODY_MS": str(self.body_ms)}
         if mode.store_url:
             env |= {"BENCH_STORE_URL": mode.store_url, "BENCH_TABLE_PREFIX": mode.prefix}
             store = Store(mode.store_url, mode.prefix)
@@ -228,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
     parser.add_argument("--stores", default="sqlite,postgresql",
                         help="comma-separated: sqlite, postgresql")
+    parser.add_argument("--body-ms", type=float, default=0.0,
+                        help="milliseconds each task body sleeps (0: trivial tasks)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="directory: time every store call and SQL statement in the workers")
     args = parser.parse_args(argv)
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         mode.queue = f"bench-{mode.name}-{tag}"
 
-    bench = Bench(args.broker, args.concurrency, tmp, args.profile)
+    bench = Bench(args.broker, args.concurrency, tmp, args.profile, args.body_ms)
     if bench.unacked_baseline:
         print(f"note: {bench.unacked_baseline} unacked messages already in {args.broker}; "
               "use a broker database of its own for exact drain detection", file=sys.stderr)
@@ -252,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"versions: {versions(args.pg_url, bench.redis)}")
     print(f"broker {args.broker}; celery worker -c {args.concurrency} prefork, prefetch x4; "
-          f"{args.tasks} tasks x {args.reps} reps per mode, {args.warmup} warm-up tasks\n",
+          f"{args.tasks} tasks x {args.reps} reps per mode, {args.warmup} warm-up tasks, "
+          f"task body {args.body_ms} ms\n",
           flush=True)
     try:
         measure(bench, modes, args)
