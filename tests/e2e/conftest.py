@@ -14,7 +14,6 @@ from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.plugin import NodeFactory
 
 
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/e2e starts real processes: mark it so `-m "not e2e"` works."""
     for item in items:
