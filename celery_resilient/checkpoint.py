@@ -9,6 +9,7 @@ from typing import Any
 from . import codec
 from .errors import CheckpointError, SerializationError
 from .execution import Execution
+from .testing import killpoints
 
 log = logging.getLogger(__name__)
 _MISSING: Any = object()
@@ -56,6 +57,8 @@ class Checkpoint:
                 "checkpoint a reference to it"
             )
         self.sequence = self._x.store.save_checkpoint(self._x.work_key, self._x.epoch, text)
+        if killpoints.ARMED:
+            killpoints.reached("after_checkpoint")
         return self.sequence
 
     def clear(self) -> None:

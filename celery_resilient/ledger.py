@@ -13,6 +13,7 @@ from . import codec
 from .errors import LedgerKeyError
 from .execution import Execution
 from .store.sql import Store
+from .testing import killpoints
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -70,6 +71,8 @@ class Ledger:
         if self._x is not None:
             self._store.assert_current(self._x.work_key, self._x.epoch)
         result = fn(*args, **kwargs)
+        if killpoints.ARMED:
+            killpoints.reached("after_effect")
         text = codec.encode(result, f"result for ledger key {key!r}")
         wk, epoch = (self._x.work_key, self._x.epoch) if self._x else (None, None)
         if not self._store.ledger_put(key, wk, epoch, text):
@@ -79,6 +82,8 @@ class Ledger:
             if again is not None:
                 stored_result: R = codec.decode(again)
                 return stored_result
+        if killpoints.ARMED:
+            killpoints.reached("after_step")
         return result
 
     @contextmanager

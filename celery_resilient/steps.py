@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from . import codec
 from .errors import ResilientError
 from .execution import Execution
+from .testing import killpoints
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -32,5 +33,9 @@ def run_step(x: Execution, name: str, fn: Callable[..., R], *args: Any, **kwargs
         return result
     x.store.assert_current(x.work_key, x.epoch)  # a known zombie never starts the effect
     result = fn(*args, **kwargs)
+    if killpoints.ARMED:
+        killpoints.reached("after_effect")
     x.store.put_step(x.work_key, x.epoch, name, codec.encode(result, f"result of step {name!r}"))
+    if killpoints.ARMED:
+        killpoints.reached("after_step")
     return result

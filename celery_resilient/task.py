@@ -22,6 +22,7 @@ from .errors import ResilientError, StaleClaimError, StoreUnavailable
 from .execution import Execution
 from .ledger import Ledger
 from .steps import run_step
+from .testing import killpoints
 
 if TYPE_CHECKING:
     from .app import Resilient
@@ -173,6 +174,8 @@ class ResumableTask(Task):  # type: ignore[misc]
         try:
             result = self.run(*args, **kwargs)
             rt.store.finish(work_key, epoch, codec.encode(result, f"result of {self.name}"))
+            if killpoints.ARMED:
+                killpoints.reached("before_ack")
             return result
         except Retry:
             raise
