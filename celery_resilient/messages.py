@@ -58,9 +58,32 @@ def _encode(body: bytes | str, content_type: str | None, content_encoding: str |
     }, default=str)
 
 
-def publish(connection: Connection, message_json: str, extra_headers: dict[str, Any]) -> None:
+def from_signature(signature: Any) -> str | None:
+    """The call form of a message (task, args, kwargs, options incl. task id), when the
+    delivered bytes are not at hand; None when the arguments are not JSON."""
+    from .codec import encode
+    from .errors import SerializationError
+
+    try:
+        return json.dumps({"signature": json.loads(encode(dict(signature), "signature"))})
+    except SerializationError:
+        return None
+
+
+def publish(connection: Connection, message_json: str, extra_headers: dict[str, Any],
+            app: Any = None) -> None:
     """Send a stored message again, unchanged but for ``extra_headers``."""
     m = json.loads(message_json)
+    if "signature" in m:
+        if app is None:
+            raise ValueError("a call-form message needs the Celery app to be re-sent")
+        from .codec import decode
+
+        sig = app.signature(decode(json.dumps(m["signature"])))
+        options = sig.options
+        options["headers"] = {**(options.get("headers") or {}), **extra_headers}
+        sig.apply_async(producer=connection.Producer(), **{})  # type: ignore[no-untyped-call]
+        return
     body_field = m["body"]
     encoding = m.get("content_encoding") or "utf-8"
     body = (base64.b64decode(body_field["b64"]) if "b64" in body_field

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import codec, identity, workkey
+from . import codec, identity, messages, workkey
 from .checkpoint import Checkpoint
 from .context import Context, task_context
 from .errors import ResilientError, StaleClaimError, StoreUnavailable
@@ -136,6 +136,8 @@ class ResumableTask(Task):  # type: ignore[misc]
                 rt.config.lease_seconds, rt.config.max_attempts,
                 is_live=_is_live_here(work_key, who.pid),
                 supersedes=_as_int(_header(req, SUPERSEDES_HEADER)),
+                message_if_new=lambda: messages.from_signature(
+                    self.signature_from_request(req, args, kwargs)),
             )
         except StoreUnavailable as exc:
             self._retry_store_down(exc, None)

@@ -356,19 +356,22 @@ class Store:
         owner: Owner, lease_seconds: float, max_attempts: int,
         is_live: Callable[[str | None, str | None, int | None], bool],
         supersedes: int | None = None,
+        message_if_new: Callable[[], str | None] | None = None,
     ) -> TakeOutcome:
         """Claim ``work_key`` for one execution (epoch + 1), or say why it must not run.
 
         ``is_live(node, incarnation, pid)`` tells whether an execution recorded by this very
         worker incarnation is still alive; other owners are judged by their lease.
         ``supersedes`` is the epoch a re-sent message was sent to replace (store outage).
+        ``message_if_new`` builds a re-publishable message when no receipt was recorded yet.
         """
         w = self.t.work
         for _ in range(3):
             try:
                 with self.begin() as conn:
                     return self._take(conn, work_key, task_name, task_id, args_digest, owner,
-                                      lease_seconds, max_attempts, is_live, supersedes)
+                                      lease_seconds, max_attempts, is_live, supersedes,
+                                      message_if_new)
             except IntegrityError:
                 continue  # a concurrent first insert of the same key: read it again
         raise StoreUnavailable(f"could not claim work {work_key!r} ({w.name} kept changing)")
@@ -378,6 +381,7 @@ class Store:
         args_digest: str | None, owner: Owner, lease_seconds: float, max_attempts: int,
         is_live: Callable[[str | None, str | None, int | None], bool],
         supersedes: int | None,
+        message_if_new: Callable[[], str | None] | None,
     ) -> TakeOutcome:
         w = self.t.work
         now = self.dialect.now()
@@ -395,11 +399,14 @@ class Store:
             .with_for_update()
         ).first()
         if row is None:
+            # Taken before the worker's receipt was flushed: keep a message that can be
+            # re-published anyway (the receipt, when it lands, replaces it with the original).
             conn.execute(w.insert().values(
                 work_key=work_key, task_name=task_name, task_id=task_id,
                 args_digest=args_digest, state=RUNNING, epoch=1, owner_node=owner.node,
                 incarnation=owner.incarnation, owner_pid=owner.pid,
                 lease_expires_at=now + lease_seconds, attempts=1, deaths=0, republished=0,
+                message_json=message_if_new() if message_if_new else None,
                 created_at=now, updated_at=now,
             ))
             return TakeOutcome("run", Claim(work_key, 1, 1, 0))
