@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from . import codec
@@ -22,8 +23,10 @@ class Checkpoint:
     :class:`StaleClaimError` and changes nothing.
     """
 
-    def __init__(self, execution: Execution) -> None:
+    def __init__(self, execution: Execution,
+                 on_progress: Callable[[int, int], None] | None = None) -> None:
         self._x = execution
+        self._on_progress = on_progress
         self.sequence = 0
 
     @property
@@ -42,8 +45,15 @@ class Checkpoint:
                             "checkpoint_seq": self.sequence})
         return codec.decode(text)
 
-    def save(self, state: Any) -> int:
-        """Store ``state`` durably; returns its sequence number (1, 2, ...)."""
+    def save(self, state: Any, progress: tuple[int, int] | None = None) -> int:
+        """Store ``state`` durably; returns its sequence number (1, 2, ...).
+
+        ``progress=(done, total)`` is then published as the task's ``PROGRESS`` state
+        (``AsyncResult.info == {"done": done, "total": total}``, shown by Flower) when the task
+        stores results; it is not part of the durable state.
+        """
+        if progress is not None:
+            progress = _check_progress(self._x.work_key, progress)
         try:
             text = codec.encode(state, "checkpoint state")
         except SerializationError as exc:
@@ -59,8 +69,21 @@ class Checkpoint:
         self.sequence = self._x.store.save_checkpoint(self._x.work_key, self._x.epoch, text)
         if killpoints.ARMED:
             killpoints.reached("after_checkpoint")
+        if progress is not None and self._on_progress is not None:
+            self._on_progress(*progress)
         return self.sequence
 
     def clear(self) -> None:
         self._x.store.clear_checkpoint(self._x.work_key, self._x.epoch)
         self.sequence = 0
+
+
+def _check_progress(work_key: str, progress: Any) -> tuple[int, int]:
+    try:
+        done, total = progress
+    except (TypeError, ValueError):
+        done = total = None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (done, total)):
+        raise CheckpointError(f"checkpoint for {work_key!r} not saved: progress must be "
+                              f"(done, total) non-negative integers, got {progress!r}")
+    return done, total

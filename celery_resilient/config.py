@@ -6,6 +6,7 @@ Every setting is documented in ``docs/configuration.md``; an invalid value raise
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -52,6 +53,7 @@ class ResilientConfig:
     context_cache_ttl: float = 86_400.0
     context_cache_size: int = 10_000
     context_retention: float | None = None
+    metrics: bool = False
 
     @property
     def migrates_itself(self) -> bool:
@@ -116,6 +118,9 @@ class ResilientConfig:
         for name in ("catchup_grace", "beat_run_retention"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be a positive number of seconds")
+        if self.metrics and importlib.util.find_spec("prometheus_client") is None:
+            raise bad("metrics", "needs prometheus-client: pip install "
+                      "'celery-resilient[prometheus]'")
         if "://" not in self.store_url:
             raise bad("store_url", "must be an SQLAlchemy URL such as sqlite:///path.db")
 
@@ -180,6 +185,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "context_cache_ttl": _as_float,
     "context_cache_size": _as_positive_int,
     "context_retention": _as_float,
+    "metrics": _as_bool,
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from . import messages
+from . import messages, signals
 from .store.sql import Orphan, Owner
 
 if TYPE_CHECKING:
@@ -46,5 +46,9 @@ def sweep(rt: Resilient, owner: Owner) -> list[Orphan]:
                 continue
             log.info("re-published orphaned work %s (was %s on %s)", orphan.work_key,
                      orphan.previous_state, orphan.previous_owner, extra=extra)
+            signals.send(signals.work_recovered, rt.app, orphan.task_name,
+                         work_key=orphan.work_key, task_id=orphan.task_id,
+                         previous_state=orphan.previous_state,
+                         previous_owner=orphan.previous_owner)
             sent.append(orphan)
     return sent

@@ -13,9 +13,10 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery import Task
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import codec, identity, messages, workkey
+from . import codec, identity, messages, signals, workkey
 from .checkpoint import Checkpoint
 from .context import Context, task_context
 from .errors import ResilientError, StaleClaimError, StoreUnavailable
@@ -95,7 +96,7 @@ class ResumableTask(Task):  # type: ignore[misc]
     def checkpoint(self) -> Checkpoint:
         handle: Checkpoint | None = getattr(self.request, "resilient_checkpoint", None)
         if handle is None:
-            handle = Checkpoint(self.execution)
+            handle = Checkpoint(self.execution, self._publish_progress)
             self.request.resilient_checkpoint = handle
         return handle
 
@@ -111,6 +112,17 @@ class ResumableTask(Task):  # type: ignore[misc]
         gets ``StaleClaimError``) and compare-and-set on the version (``ContextConflict``).
         """
         return task_context(self, key, create_default)
+
+    def _publish_progress(self, done: int, total: int) -> None:
+        """``checkpoint.save(..., progress=(done, total))``: the ``PROGRESS`` state, if stored."""
+        if self.ignore_result or self.request.ignore_result or isinstance(
+                self.backend, DisabledBackend):
+            return
+        try:
+            self.update_state(state="PROGRESS", meta={"done": done, "total": total})
+        except Exception as exc:  # progress is a display: never fail the work for it
+            log.warning("progress of %s not published: %s", self.request.id, exc,
+                        extra={"action": "progress_failed", "task_id": self.request.id})
 
     def step(self, name: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         return run_step(self.execution, name, fn, *args, **kwargs)
@@ -145,14 +157,18 @@ class ResumableTask(Task):  # type: ignore[misc]
         if outcome.action == "done":
             log.info("work %s already done; returning its stored result", work_key,
                      extra={"action": "duplicate_skipped", **ctx})
+            signals.send(signals.duplicate_skipped, self.app, self.name, reason="done", **ctx)
             return codec.decode(outcome.result_json)
         if outcome.action in ("held", "duplicate"):
             log.info("work %s not run: %s", work_key, outcome.reason,
                      extra={"action": "duplicate_skipped", **ctx})
+            signals.send(signals.duplicate_skipped, self.app, self.name,
+                         reason=outcome.reason, **ctx)
             raise Ignore()
         if outcome.action == "dead":
             log.error("work %s is dead: %s", work_key, outcome.reason,
                       extra={"action": "dead", **ctx})
+            signals.send(signals.work_dead, self.app, self.name, reason=outcome.reason, **ctx)
             raise WorkDead(f"work {work_key!r} is dead: {outcome.reason}")
         assert outcome.claim is not None
         claim = outcome.claim
@@ -183,6 +199,8 @@ class ResumableTask(Task):  # type: ignore[misc]
             raise
         except StaleClaimError as exc:
             log.warning("fenced: %s", exc, extra={"action": "fenced", **ctx})
+            signals.send(signals.work_fenced, self.app, self.name, epoch=epoch,
+                         error=str(exc), **ctx)
             raise Ignore() from exc
         except StoreUnavailable as exc:
             self._retry_store_down(exc, epoch)
@@ -192,6 +210,8 @@ class ResumableTask(Task):  # type: ignore[misc]
             except StaleClaimError:
                 log.warning("fenced while recording failure of %s", work_key,
                             extra={"action": "fenced", **ctx})
+                signals.send(signals.work_fenced, self.app, self.name, epoch=epoch,
+                             error="failure not recorded: superseded", **ctx)
                 raise Ignore() from exc
             except StoreUnavailable as down:
                 self._retry_store_down(down, epoch)

@@ -36,7 +36,7 @@ from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
 from redbeat.decoder import RedBeatJSONEncoder
 from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, get_redis
 
-from celery_resilient import workkey
+from celery_resilient import signals, workkey
 from celery_resilient.app import Resilient
 from celery_resilient.beat import liveness, windows
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
@@ -366,6 +366,9 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                     log.info("beat: %s slot %s caught up (%.1fs late)", name, stamp,
                              (now - slot) / US, extra={"action": "slot_caught_up",
                                                        "entry": name, "slot": stamp})
+                    signals.send(signals.slot_caught_up, self.app, name, entry=name,
+                                 slot=stamp, task_id=task_id_for(key, slot),
+                                 late_seconds=(now - slot) / US)
                 if len(done) >= SEND_BATCH:
                     total += self.slots.mark_sent(key, done, self.identity)
                     done = []

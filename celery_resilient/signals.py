@@ -1,0 +1,99 @@
+"""Celery-style signals for every recovery action, sent where the action is logged.
+
+Connect as to any Celery signal::
+
+    from celery_resilient import signals
+
+    @signals.work_recovered.connect
+    def on_recovered(sender, work_key, task_id, **kwargs):
+        ...
+
+Every signal is sent with ``app`` (the Celery app) and the keyword arguments listed below;
+receivers must accept ``**kwargs`` (more may be added). ``sender`` is the task name (the
+entry name for ``slot_caught_up``), so ``connect(sender="proj.ingest")`` filters by task. A
+receiver that raises is logged by Celery and never disturbs the library. Signals are sent in
+the process where the action happens: ``work_recovered`` in the worker's main process (or the
+``celery resilient recover`` command), ``duplicate_skipped``, ``work_fenced`` and
+``work_dead`` in the pool process that received the delivery, ``slot_caught_up`` in beat.
+
+With ``resilient_metrics = True`` the Prometheus counters of :mod:`celery_resilient.metrics`
+are connected to these signals in each process, the first time one is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery.utils.dispatch import Signal
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+log = logging.getLogger(__name__)
+
+#: Orphaned work was re-published with its task id. Sender: the task name.
+#: kwargs: ``work_key``, ``task_id``, ``previous_state`` (``reserved``/``running``/``requeued``),
+#: ``previous_owner`` (node name or None).
+work_recovered = Signal(name="work_recovered", providing_args={
+    "app", "work_key", "task_id", "previous_state", "previous_owner"})
+
+#: A delivery ran nothing: the work is done (its stored result is returned), held by a live
+#: execution, or this very message already failed. Sender: the task name.
+#: kwargs: ``work_key``, ``task_id``, ``task`` (the name), ``reason``.
+duplicate_skipped = Signal(name="duplicate_skipped", providing_args={
+    "app", "work_key", "task_id", "task", "reason"})
+
+#: A superseded execution's write was refused (``StaleClaimError``): a newer execution owns
+#: the work. Sender: the task name. kwargs: ``work_key``, ``task_id``, ``task``, ``epoch`` (the
+#: refused execution's fencing token), ``error`` (the message).
+work_fenced = Signal(name="work_fenced", providing_args={
+    "app", "work_key", "task_id", "task", "epoch", "error"})
+
+#: A delivery found the work ``dead`` (it died ``resilient_max_attempts`` times): sent by the
+#: take that parks it and by every later delivery. Sender: the task name.
+#: kwargs: ``work_key``, ``task_id``, ``task``, ``reason``.
+work_dead = Signal(name="work_dead", providing_args={
+    "app", "work_key", "task_id", "task", "reason"})
+
+#: Beat sent a slot that was missed (late beyond the grace, or before this beat started).
+#: Sender: the entry name. kwargs: ``entry``, ``slot`` (ISO 8601 in the schedule's timezone),
+#: ``task_id``, ``late_seconds``.
+slot_caught_up = Signal(name="slot_caught_up", providing_args={
+    "app", "entry", "slot", "task_id", "late_seconds"})
+
+ALL = (work_recovered, duplicate_skipped, work_fenced, work_dead, slot_caught_up)
+
+_checked: set[int] = set()
+_checked_lock = threading.Lock()
+
+
+def send(signal: Signal, app: Celery, sender: str, **kwargs: Any) -> None:
+    """Send ``signal`` for ``app``; connect the metrics first if the app enables them."""
+    if id(app) not in _checked:
+        _enable_metrics_if_configured(app)
+    signal.send(sender=sender, app=app, **kwargs)
+
+
+def _enable_metrics_if_configured(app: Celery) -> None:
+    from .app import Resilient
+
+    with _checked_lock:
+        if id(app) in _checked:
+            return
+        _checked.add(id(app))
+        try:
+            enabled = Resilient.of(app).config.metrics
+        except Exception as exc:  # never let observability break a recovery action
+            log.warning("celery-resilient metrics not enabled: %s", exc,
+                        extra={"action": "metrics_unavailable"})
+            enabled = False
+    if enabled:
+        from . import metrics
+
+        metrics.install()
+
+
+__all__ = ["ALL", "duplicate_skipped", "send", "slot_caught_up", "work_dead", "work_fenced",
+           "work_recovered"]

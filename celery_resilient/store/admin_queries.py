@@ -1,0 +1,401 @@
+"""Every query the operator commands run (``celery -A proj resilient ...``).
+
+Reads never lock and never change a row: ``status``, ``work``, ``schedule`` and every
+``--dry-run`` are safe on a live system. The only writes here are the retention deletes of
+``prune``, batched so a large backlog never holds one long transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, and_, case, delete, exists, func, or_, select
+
+from .schedule import CLAIMED
+from .schema import DEAD, DONE, FAILED, OPEN_STATES
+from .sql import Store, guarded
+
+FINISHED_STATES = (DONE, FAILED, DEAD)
+PRUNE_BATCH = 500
+
+
+@dataclass(frozen=True)
+class WorkInfo:
+    """One work row as an operator sees it (the stored message is summarised, not shown)."""
+
+    work_key: str
+    task_name: str
+    task_id: str
+    state: str
+    epoch: int
+    owner_node: str | None
+    incarnation: str | None
+    owner_pid: int | None
+    lease_expires_at: float | None
+    attempts: int
+    deaths: int
+    republished: int
+    has_message: bool
+    result_json: str | None
+    error: str | None
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    epoch: int
+    seq: int
+    state_json: str
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    name: str
+    epoch: int
+    result_json: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class LedgerInfo:
+    key: str
+    epoch: int | None
+    applied_at: float
+
+
+@dataclass(frozen=True)
+class WorkDetail:
+    work: WorkInfo
+    checkpoint: CheckpointInfo | None
+    steps: tuple[StepInfo, ...]
+    ledger: tuple[LedgerInfo, ...]
+    message_route: tuple[str, str] | None  # (exchange, routing key) of the stored message
+
+
+@dataclass(frozen=True)
+class OrphanCandidate:
+    """An open claim the next sweep (or ``recover``) would re-publish, and why."""
+
+    work_key: str
+    task_name: str
+    task_id: str
+    state: str
+    owner_node: str | None
+    lease_expires_at: float | None
+    deaths: int
+    has_message: bool
+    reason: str  # "lease_expired" or "node_gone"
+
+
+@dataclass(frozen=True)
+class Status:
+    now: float
+    by_state: dict[str, int]
+    by_owner: list[tuple[str, str | None, int]]  # (state, owner node, count) of open work
+    oldest_lease: tuple[str, float] | None  # (work key, expires at) among open claims
+    expired_leases: int
+    dead: list[WorkInfo]
+    slots_pending: int
+    oldest_pending_slot_claim: float | None
+    contexts: int
+    oldest_context: float | None
+    workers: list[tuple[str, str, float, float | None]] = field(default_factory=list)
+    # (node, incarnation, last heartbeat, stopped at) of recently seen worker starts
+
+
+@dataclass(frozen=True)
+class EntrySlots:
+    """One beat entry: its durable marker and what its slot records say."""
+
+    entry: str
+    last_slot: float
+    definition_json: str | None
+    updated_at: float
+    sent: int
+    skipped: int
+    pending: int
+    oldest_pending_claim: float | None
+    last_sent_slot: float | None
+
+
+@dataclass(frozen=True)
+class PruneCounts:
+    work: int = 0
+    checkpoints: int = 0
+    steps: int = 0
+    ledger: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"work": self.work, "checkpoints": self.checkpoints, "steps": self.steps,
+                "ledger": self.ledger}
+
+
+class AdminQueries:
+    """Read-only inspection and retention pruning, on a :class:`Store`'s engine and tables."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.t = store.t
+
+    def _read(self) -> Connection:
+        return self.store.engine.connect()
+
+    # -- status -----------------------------------------------------------------------------
+
+    @guarded
+    def status(self, dead_limit: int = 20, worker_limit: int = 20) -> Status:
+        w, r, c, wk = self.t.work, self.t.schedule_runs, self.t.contexts, self.t.workers
+        d = self.store.dialect
+        with self._read() as conn:
+            now = float(conn.execute(select(d.now())).scalar_one())
+            by_state = {str(s): int(n) for s, n in conn.execute(
+                select(w.c.state, func.count()).group_by(w.c.state)).all()}
+            by_owner = [(str(s), o, int(n)) for s, o, n in conn.execute(
+                select(w.c.state, w.c.owner_node, func.count())
+                .where(w.c.state.in_(OPEN_STATES))
+                .group_by(w.c.state, w.c.owner_node)
+                .order_by(w.c.state, w.c.owner_node)).all()]
+            oldest = conn.execute(
+                select(w.c.work_key, w.c.lease_expires_at)
+                .where(w.c.state.in_(OPEN_STATES), w.c.lease_expires_at.is_not(None))
+                .order_by(w.c.lease_expires_at).limit(1)).first()
+            expired = int(conn.execute(
+                select(func.count()).select_from(w)
+                .where(w.c.state.in_(OPEN_STATES), w.c.lease_expires_at < now)).scalar_one())
+            dead = [_work_info(x) for x in conn.execute(
+                select(w).where(w.c.state == DEAD)
+                .order_by(w.c.updated_at.desc()).limit(dead_limit)).all()]
+            pending, oldest_claim = conn.execute(
+                select(func.count(), func.min(r.c.claimed_at)).where(r.c.state == CLAIMED)
+            ).one()
+            n_ctx, oldest_ctx = conn.execute(select(func.count(), func.min(c.c.updated_at))
+                                             ).one()
+            workers = [(x.node, x.incarnation, float(x.heartbeat_at),
+                        None if x.stopped_at is None else float(x.stopped_at))
+                       for x in conn.execute(select(wk).order_by(wk.c.heartbeat_at.desc())
+                                             .limit(worker_limit)).all()]
+            conn.rollback()
+        return Status(
+            now=now, by_state=by_state, by_owner=by_owner,
+            oldest_lease=None if oldest is None else (oldest.work_key,
+                                                      float(oldest.lease_expires_at)),
+            expired_leases=expired, dead=dead, slots_pending=int(pending),
+            oldest_pending_slot_claim=None if oldest_claim is None else float(oldest_claim),
+            contexts=int(n_ctx), oldest_context=None if oldest_ctx is None else float(oldest_ctx),
+            workers=workers,
+        )
+
+    # -- work ---------------------------------------------------------------------------------
+
+    @guarded
+    def list_work(self, states: Sequence[str] = (), task: str | None = None,
+                  owner: str | None = None, limit: int = 50) -> list[WorkInfo]:
+        """Work rows, most recently changed first, filtered by state, task name and owner."""
+        w = self.t.work
+        q = select(w).order_by(w.c.updated_at.desc(), w.c.work_key).limit(limit)
+        if states:
+            q = q.where(w.c.state.in_(list(states)))
+        if task:
+            q = q.where(w.c.task_name == task)
+        if owner:
+            q = q.where(w.c.owner_node == owner)
+        with self._read() as conn:
+            rows = conn.execute(q).all()
+            conn.rollback()
+        return [_work_info(x) for x in rows]
+
+    @guarded
+    def work_detail(self, work_key: str) -> WorkDetail | None:
+        w, c, s, lg = self.t.work, self.t.checkpoints, self.t.steps, self.t.ledger
+        with self._read() as conn:
+            row = conn.execute(select(w).where(w.c.work_key == work_key)).first()
+            if row is None:
+                conn.rollback()
+                return None
+            cp = conn.execute(select(c).where(c.c.work_key == work_key)).first()
+            steps = tuple(StepInfo(x.name, int(x.epoch), x.result_json, float(x.created_at))
+                          for x in conn.execute(select(s).where(s.c.work_key == work_key)
+                                                .order_by(s.c.created_at, s.c.name)).all())
+            ledger = tuple(LedgerInfo(x.key, None if x.epoch is None else int(x.epoch),
+                                      float(x.applied_at))
+                           for x in conn.execute(select(lg.c.key, lg.c.epoch, lg.c.applied_at)
+                                                 .where(lg.c.work_key == work_key)
+                                                 .order_by(lg.c.applied_at)).all())
+            conn.rollback()
+        checkpoint = None if cp is None else CheckpointInfo(
+            int(cp.epoch), int(cp.seq), cp.state_json, float(cp.updated_at))
+        return WorkDetail(_work_info(row), checkpoint, steps, ledger,
+                          _route(row.message_json))
+
+    # -- recovery preview ---------------------------------------------------------------------
+
+    @guarded
+    def orphan_candidates(self, limit: int, gone_node: str | None = None) -> list[OrphanCandidate]:
+        """What ``Store.claim_orphans`` would take now, without taking it (no lock, no write).
+
+        Open claims whose lease expired, plus (when ``gone_node`` is given) every open claim
+        of that node, as a sweep of a new incarnation of that node would take them.
+        """
+        w = self.t.work
+        now = self.store.dialect.now()
+        expired = w.c.lease_expires_at < now
+        cond = expired if gone_node is None else or_(expired, w.c.owner_node == gone_node)
+        with self._read() as conn:
+            rows = conn.execute(
+                select(w.c.work_key, w.c.task_name, w.c.task_id, w.c.state, w.c.owner_node,
+                       w.c.lease_expires_at, w.c.deaths, w.c.message_json.is_not(None)
+                       .label("has_message"), expired.label("expired"))
+                .where(w.c.state.in_(OPEN_STATES), cond)
+                .order_by(w.c.created_at)
+                .limit(limit)
+            ).all()
+            conn.rollback()
+        return [OrphanCandidate(
+            x.work_key, x.task_name, x.task_id, x.state, x.owner_node,
+            None if x.lease_expires_at is None else float(x.lease_expires_at), int(x.deaths),
+            bool(x.has_message), "lease_expired" if x.expired else "node_gone",
+        ) for x in rows]
+
+    # -- schedule -----------------------------------------------------------------------------
+
+    @guarded
+    def schedule(self, prefix: str = "") -> list[EntrySlots]:
+        """Every beat marker (entries whose key starts with ``prefix``) with slot counts."""
+        m, r = self.t.schedule_markers, self.t.schedule_runs
+        runs = (select(
+            r.c.entry,
+            func.sum(_when(r.c.state == "sent")).label("sent"),
+            func.sum(_when(r.c.state == "skipped")).label("skipped"),
+            func.sum(_when(r.c.state == CLAIMED)).label("pending"),
+            func.min(_value_when(r.c.state == CLAIMED, r.c.claimed_at)).label("oldest_claim"),
+            func.max(_value_when(r.c.state == "sent", r.c.slot)).label("last_sent"),
+        ).group_by(r.c.entry).subquery())
+        q = (select(m.c.entry, m.c.last_slot, m.c.definition_json, m.c.updated_at,
+                    runs.c.sent, runs.c.skipped, runs.c.pending, runs.c.oldest_claim,
+                    runs.c.last_sent)
+             .select_from(m.outerjoin(runs, runs.c.entry == m.c.entry))
+             .order_by(m.c.entry))
+        if prefix:
+            q = q.where(m.c.entry.startswith(prefix, autoescape=True))
+        with self._read() as conn:
+            rows = conn.execute(q).all()
+            conn.rollback()
+        return [EntrySlots(
+            x.entry, float(x.last_slot), x.definition_json, float(x.updated_at),
+            int(x.sent or 0), int(x.skipped or 0), int(x.pending or 0),
+            None if x.oldest_claim is None else float(x.oldest_claim),
+            None if x.last_sent is None else float(x.last_sent),
+        ) for x in rows]
+
+    # -- retention ----------------------------------------------------------------------------
+
+    def _finished_before(self, cutoff: float) -> Any:
+        w = self.t.work
+        return and_(w.c.state.in_(FINISHED_STATES),
+                    func.coalesce(w.c.finished_at, w.c.updated_at) < cutoff)
+
+    def _ledger_before(self, cutoff: float) -> Any:
+        """Ledger rows applied before ``cutoff`` whose work (if any) is no longer open."""
+        lg, w = self.t.ledger, self.t.work
+        still_open = exists().where(w.c.work_key == lg.c.work_key, w.c.state.in_(OPEN_STATES))
+        return and_(lg.c.applied_at < cutoff, ~still_open)
+
+    @guarded
+    def prune_counts(self, older_than: float) -> PruneCounts:
+        """How many rows :meth:`prune` would delete now (nothing is changed)."""
+        w, c, s, lg = self.t.work, self.t.checkpoints, self.t.steps, self.t.ledger
+        with self._read() as conn:
+            cutoff = float(conn.execute(select(self.store.dialect.now())).scalar_one()) \
+                - older_than
+            keys = select(w.c.work_key).where(self._finished_before(cutoff))
+            counts = PruneCounts(
+                work=_count(conn, select(func.count()).select_from(w)
+                            .where(self._finished_before(cutoff))),
+                checkpoints=_count(conn, select(func.count()).select_from(c)
+                                   .where(c.c.work_key.in_(keys))),
+                steps=_count(conn, select(func.count()).select_from(s)
+                             .where(s.c.work_key.in_(keys))),
+                ledger=_count(conn, select(func.count()).select_from(lg)
+                              .where(self._ledger_before(cutoff))),
+            )
+            conn.rollback()
+        return counts
+
+    @guarded
+    def prune(self, older_than: float, ledger: bool = True,
+              batch: int = PRUNE_BATCH) -> PruneCounts:
+        """Delete finished work (done, failed, dead) finished more than ``older_than`` seconds
+        ago with its checkpoint and steps, and (``ledger``) ledger markers as old.
+
+        The cutoff is taken once from the database's clock; each batch is one transaction.
+        """
+        w, c, s, lg = self.t.work, self.t.checkpoints, self.t.steps, self.t.ledger
+        cutoff = self.store.now() - older_than
+        lock = self.store.dialect.lock_kwargs()
+        n_work = n_cp = n_steps = n_ledger = 0
+        while True:
+            with self.store.begin() as conn:
+                keys = [str(k) for k in conn.execute(
+                    select(w.c.work_key).where(self._finished_before(cutoff))
+                    .order_by(w.c.work_key).limit(batch).with_for_update(**lock)).scalars()]
+                if not keys:
+                    break
+                n_cp += conn.execute(delete(c).where(c.c.work_key.in_(keys))).rowcount
+                n_steps += conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
+                n_work += conn.execute(delete(w).where(
+                    w.c.work_key.in_(keys), w.c.state.in_(FINISHED_STATES))).rowcount
+            if len(keys) < batch:
+                break
+        while ledger:
+            with self.store.begin() as conn:
+                keys = [str(k) for k in conn.execute(
+                    select(lg.c.key).where(self._ledger_before(cutoff))
+                    .order_by(lg.c.key).limit(batch).with_for_update(**lock)).scalars()]
+                if keys:
+                    n_ledger += conn.execute(delete(lg).where(lg.c.key.in_(keys))).rowcount
+            if len(keys) < batch:
+                break
+        return PruneCounts(int(n_work), int(n_cp), int(n_steps), int(n_ledger))
+
+
+def _when(cond: Any) -> Any:
+    return case((cond, 1), else_=0)
+
+
+def _value_when(cond: Any, value: Any) -> Any:
+    return case((cond, value), else_=None)
+
+
+def _count(conn: Connection, q: Any) -> int:
+    return int(conn.execute(q).scalar_one())
+
+
+def _route(message_json: str | None) -> tuple[str, str] | None:
+    if message_json is None:
+        return None
+    try:
+        m = json.loads(message_json)
+    except ValueError:
+        return ("?", "?")
+    return (str(m.get("exchange") or ""), str(m.get("routing_key") or ""))
+
+
+def _work_info(row: Any) -> WorkInfo:
+    return WorkInfo(
+        row.work_key, row.task_name, row.task_id, row.state, int(row.epoch), row.owner_node,
+        row.incarnation, None if row.owner_pid is None else int(row.owner_pid),
+        None if row.lease_expires_at is None else float(row.lease_expires_at),
+        int(row.attempts), int(row.deaths), int(row.republished),
+        row.message_json is not None, row.result_json, row.error, float(row.created_at),
+        float(row.updated_at), None if row.finished_at is None else float(row.finished_at),
+    )
+
+
+__all__ = ["FINISHED_STATES", "AdminQueries", "EntrySlots", "OrphanCandidate", "PruneCounts",
+           "Status", "WorkDetail", "WorkInfo"]
