@@ -52,6 +52,22 @@ class Resilient:
             )
         return rt
 
+    def init_app(self, flask_app: Any) -> None:
+        """Flask extension pattern: read ``RESILIENT_*`` keys from ``flask_app.config``.
+
+        ``RESILIENT_STORE_URL`` becomes ``resilient_store_url`` and so on; the settings are
+        validated at once and the runtime is registered as
+        ``flask_app.extensions["celery_resilient"]`` (see ``docs/flask.md``). Call it before
+        the settings are first used (before a worker starts or a task is sent).
+        """
+        if self._config is not None:
+            raise ConfigurationError(
+                f"init_app() came after the settings of Celery app {self.app.main!r} were "
+                "read; call it where the Flask app is created, before any task is sent")
+        from .contrib.flask import init_app
+
+        init_app(self, flask_app)
+
     @property
     def config(self) -> ResilientConfig:
         if self._config is None:

@@ -1,0 +1,47 @@
+"""The Django app config: default store URL for the project's Celery app, settings check."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.apps import AppConfig
+from django.core import checks
+
+from ...errors import ConfigurationError
+
+_SETTING_NAME = re.compile(r"\bresilient_([a-z0-9_]+)")
+
+
+class CeleryResilientConfig(AppConfig):  # type: ignore[misc]
+    name = "celery_resilient.contrib.django"
+    label = "celery_resilient"
+    verbose_name = "Celery resilient"
+
+    def ready(self) -> None:
+        from .conf import configure_from_django, resilient_apps
+
+        # The usual layout imports proj/celery.py (Celery app + Resilient) from
+        # proj/__init__.py, so the app exists by now; a later one can call
+        # configure_from_django(app) itself.
+        for app in resilient_apps():
+            configure_from_django(app)
+        checks.register(check_settings, "celery_resilient")
+
+
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """``manage.py check``: every ``CELERY_RESILIENT_*`` setting is known and valid.
+
+    Celery itself does not reject unknown namespaced keys, so a misspelt one would otherwise
+    be ignored silently.
+    """
+    from .conf import settings_config
+
+    try:
+        settings_config()
+    except ConfigurationError as exc:
+        message = _SETTING_NAME.sub(lambda m: "CELERY_RESILIENT_" + m.group(1).upper(),
+                                    str(exc))
+        return [checks.Error(message, hint="See docs/django.md and docs/configuration.md.",
+                             id="celery_resilient.E001")]
+    return []

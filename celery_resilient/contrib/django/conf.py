@@ -1,0 +1,187 @@
+"""Settings glue between Django, Celery and the store.
+
+Celery's usual Django setup, ``app.config_from_object("django.conf:settings",
+namespace="CELERY")``, already maps ``CELERY_RESILIENT_STORE_URL`` to
+``resilient_store_url`` (and so on for every setting): nothing here re-implements that. What
+this module adds is the default store URL, taken from ``DATABASES`` when no store URL is set,
+as a Celery *default* (``app.add_defaults``): evaluated when the Celery app's configuration is
+first read, and below anything the project sets itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from sqlalchemy.engine import URL
+
+from ...config import PREFIX, ResilientConfig, sanitize_url
+from ...errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ...app import Resilient
+
+log = logging.getLogger(__name__)
+
+SETTINGS_PREFIX = "CELERY_" + PREFIX.upper()  # CELERY_RESILIENT_
+CELERY_APP_SETTING = "RESILIENT_CELERY_APP"  # outside the CELERY namespace on purpose
+_CONFIGURED = "_celery_resilient_django"
+_POSTGRES_ENGINES = ("django.db.backends.postgresql", "django.contrib.gis.db.backends.postgis")
+_SQLITE_ENGINES = ("django.db.backends.sqlite3", "django.contrib.gis.db.backends.spatialite")
+# libpq connection parameters that may be carried over from OPTIONS (strings only).
+_LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword",
+                  "connect_timeout", "application_name", "options", "target_session_attrs",
+                  "passfile", "service")
+
+
+def database_url(alias: str = "default",
+                 databases: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """The SQLAlchemy URL of Django's database ``alias`` (PostgreSQL or SQLite).
+
+    PostgreSQL becomes ``postgresql+psycopg://`` (psycopg 3, the ``postgres`` extra) with
+    the string-valued libpq ``OPTIONS``; SQLite becomes ``sqlite:///<absolute path>``. An
+    in-memory SQLite database or another engine raises :class:`ConfigurationError`: set
+    ``CELERY_RESILIENT_STORE_URL`` then. The returned URL holds the password: log it only
+    through :func:`celery_resilient.config.sanitize_url`.
+    """
+    dbs = settings.DATABASES if databases is None else databases
+    if alias not in dbs:
+        raise ConfigurationError(
+            f"DATABASES has no {alias!r} entry to default the celery-resilient store to; "
+            f"set {SETTINGS_PREFIX}STORE_URL")
+    db = dbs[alias]
+    engine = str(db.get("ENGINE", ""))
+    name = db.get("NAME")
+    if engine in _SQLITE_ENGINES:
+        path = str(name or "")
+        if not path or path == ":memory:" or "mode=memory" in path:
+            raise ConfigurationError(
+                f"DATABASES[{alias!r}] is an in-memory SQLite database, which other processes "
+                f"cannot share; set {SETTINGS_PREFIX}STORE_URL to a file or server database")
+        return f"sqlite:///{os.path.abspath(path)}"
+    if engine in _POSTGRES_ENGINES:
+        options = db.get("OPTIONS") or {}
+        query = {k: str(options[k]) for k in _LIBPQ_OPTIONS
+                 if isinstance(options.get(k), (str, int)) and not isinstance(options[k], bool)}
+        port = db.get("PORT")
+        url = URL.create(
+            "postgresql+psycopg",
+            username=db.get("USER") or None,
+            password=db.get("PASSWORD") or None,
+            host=db.get("HOST") or None,
+            port=int(port) if port not in (None, "") else None,
+            database=str(name) if name else None,
+            query=query,
+        )
+        return url.render_as_string(hide_password=False)
+    raise ConfigurationError(
+        f"DATABASES[{alias!r}] uses {engine or 'no ENGINE'}; the celery-resilient store runs on "
+        f"PostgreSQL or SQLite: set {SETTINGS_PREFIX}STORE_URL")
+
+
+def configure_from_django(app: Celery, alias: str = "default") -> None:
+    """Default ``app``'s store to Django's database ``alias`` when it sets no store URL.
+
+    Idempotent. Lazy: ``DATABASES`` is read when the Celery configuration is first read (so a
+    test database created in between is the one used). Call it before the app's resilient
+    settings are first used (the app config does this for Celery apps read from Django's
+    settings); an explicit ``CELERY_RESILIENT_STORE_URL`` always wins.
+    """
+    if getattr(app, _CONFIGURED, False):
+        return
+    setattr(app, _CONFIGURED, True)
+
+    def defaults() -> dict[str, str]:
+        url = database_url(alias)
+        log.info("celery-resilient: store defaults to Django's %r database: %s", alias,
+                 sanitize_url(url), extra={"action": "config_default"})
+        return {PREFIX + "store_url": url}
+
+    app.add_defaults(defaults)
+
+
+def reads_django_settings(app: Celery) -> bool:
+    """Whether ``app`` was configured with ``config_from_object`` on Django's settings."""
+    source = getattr(app, "_config_source", None)  # set by Celery's config_from_object
+    return source == "django.conf:settings" or source is settings
+
+
+def resilient_apps() -> list[Celery]:
+    """Live Celery apps with ``Resilient`` applied whose settings come from Django."""
+    from celery._state import _get_active_apps
+
+    from ...app import _ATTR
+
+    return [a for a in list(_get_active_apps())
+            if getattr(a, _ATTR, None) is not None and reads_django_settings(a)]
+
+
+def celery_app() -> Celery:
+    """The project's Celery app: ``settings.RESILIENT_CELERY_APP`` or the one found.
+
+    ``RESILIENT_CELERY_APP`` is a ``"module:attribute"`` path (``"proj.celery:app"``).
+    Without it, the single live Celery app with ``Resilient`` applied that reads Django's
+    settings is used.
+    """
+    path = getattr(settings, CELERY_APP_SETTING, None)
+    if path:
+        module, _, attr = str(path).partition(":")
+        found = getattr(importlib.import_module(module), attr or "app")
+        if not isinstance(found, Celery):
+            raise ImproperlyConfigured(f"{CELERY_APP_SETTING}={path!r} is not a Celery app")
+        configure_from_django(found)
+        return found
+    apps = resilient_apps()
+    if len(apps) == 1:
+        return apps[0]
+    why = "none is loaded" if not apps else f"{len(apps)} are loaded"
+    raise ImproperlyConfigured(
+        "celery-resilient needs the project's Celery app (with Resilient(app) applied and "
+        f"config_from_object('django.conf:settings', namespace='CELERY')) but {why}; set "
+        f"{CELERY_APP_SETTING} = 'proj.celery:app'")
+
+
+def runtime() -> Resilient:
+    """The ``Resilient`` runtime of the project's Celery app."""
+    from ...app import Resilient
+
+    return Resilient.of(celery_app())
+
+
+def settings_mapping() -> dict[str, Any]:
+    """``resilient_*`` settings as the CELERY namespace maps them from Django's settings."""
+    return {"resilient_" + name[len(SETTINGS_PREFIX):].lower(): getattr(settings, name)
+            for name in dir(settings) if name.startswith(SETTINGS_PREFIX)}
+
+
+def settings_config() -> ResilientConfig:
+    """The resolved settings from Django's settings alone (no Celery app needed)."""
+    mapping = settings_mapping()
+    if mapping.get(PREFIX + "store_url") is None:
+        mapping[PREFIX + "store_url"] = database_url()
+    return ResilientConfig.from_mapping(mapping)
+
+
+def store_config() -> ResilientConfig:
+    """The project's Celery app's settings, or Django's settings alone when none is found."""
+    try:
+        app = celery_app()
+    except ImproperlyConfigured:
+        if getattr(settings, CELERY_APP_SETTING, None):
+            raise
+        return settings_config()
+    from ...app import Resilient
+
+    return Resilient.of(app).config
+
+
+def table_prefix() -> str:
+    """The store's table prefix, as the admin's models map it."""
+    value = getattr(settings, SETTINGS_PREFIX + "TABLE_PREFIX", None)
+    return str(value) if value else "resilient_"

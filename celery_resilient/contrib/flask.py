@@ -1,0 +1,39 @@
+"""Flask integration: ``Resilient(celery).init_app(flask_app)``, the Flask extension pattern.
+
+Every ``RESILIENT_*`` key of ``flask_app.config`` becomes the Celery setting of the same name
+in lower case (``RESILIENT_STORE_URL`` -> ``resilient_store_url``), the settings are validated
+at once (an unknown or invalid key raises :class:`ConfigurationError` naming it), and the
+runtime is registered as ``flask_app.extensions["celery_resilient"]``. See ``docs/flask.md``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flask import Flask
+
+from ..config import PREFIX, ResilientConfig
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ..app import Resilient
+
+EXTENSION_NAME = "celery_resilient"
+CONFIG_PREFIX = PREFIX.upper()  # RESILIENT_
+
+
+def init_app(rt: Resilient, flask_app: Flask) -> None:
+    """Copy ``RESILIENT_*`` settings from ``flask_app`` into the Celery app and register."""
+    if not isinstance(flask_app, Flask):
+        raise ConfigurationError(
+            f"init_app() takes a Flask application, not {type(flask_app).__name__}")
+    owner = flask_app.extensions.get(EXTENSION_NAME)
+    if owner is not None and owner is not rt:
+        raise ConfigurationError(
+            f"Flask app {flask_app.name!r} is already bound to the celery-resilient runtime of "
+            f"Celery app {owner.app.main!r}")
+    settings = {key.lower(): value for key, value in flask_app.config.items()
+                if isinstance(key, str) and key.startswith(CONFIG_PREFIX)}
+    rt.app.conf.update(settings)
+    ResilientConfig.from_mapping(rt.app.conf)  # fail here, at startup, naming the key
+    flask_app.extensions[EXTENSION_NAME] = rt
