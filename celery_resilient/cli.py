@@ -78,13 +78,18 @@ def _store(ctx: click.Context) -> tuple[Resilient, Store]:
         store = _checked(rt)
     except ResilientError as exc:
         raise click.ClickException(str(exc)) from None
+    ctx.call_on_close(store.dispose)
     return rt, store
 
 
 def _checked(rt: Resilient) -> Store:
     cfg = rt.config
     store = Store(cfg.store_url, cfg.table_prefix)
-    store.ensure_schema(migrate_if_needed=False)
+    try:
+        store.ensure_schema(migrate_if_needed=False)
+    except BaseException:
+        store.dispose()
+        raise
     return store
 
 
@@ -180,6 +185,7 @@ def migrate(ctx: click.Context) -> None:
     rt = _runtime(ctx)
     cfg = _run(lambda: rt.config)
     store = Store(cfg.store_url, cfg.table_prefix)
+    ctx.call_on_close(store.dispose)
     _run(store.migrate)
     info = migrations.describe(store.engine, cfg.table_prefix)
     click.echo(f"schema of {sanitize_url(cfg.store_url)} (prefix {cfg.table_prefix}) "
@@ -371,6 +377,7 @@ def recover(ctx: click.Context, dry_run: bool, node: str | None, as_json: bool) 
         return
     from . import recovery
 
+    ctx.call_on_close(rt.store.dispose)  # the sweep below uses the app's store
     who = Owner(node or f"resilient-cli@{socket.gethostname()}", uuid.uuid4().hex, os.getpid())
     sent = _run(lambda: recovery.sweep(rt, who))
     sent_keys = {o.work_key for o in sent}

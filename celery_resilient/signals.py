@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.dispatch import Signal
@@ -65,13 +66,13 @@ slot_caught_up = Signal(name="slot_caught_up", providing_args={
 
 ALL = (work_recovered, duplicate_skipped, work_fenced, work_dead, slot_caught_up)
 
-_checked: set[int] = set()
+_checked: weakref.WeakSet[Celery] = weakref.WeakSet()
 _checked_lock = threading.Lock()
 
 
 def send(signal: Signal, app: Celery, sender: str, **kwargs: Any) -> None:
     """Send ``signal`` for ``app``; connect the metrics first if the app enables them."""
-    if id(app) not in _checked:
+    if app not in _checked:
         _enable_metrics_if_configured(app)
     signal.send(sender=sender, app=app, **kwargs)
 
@@ -80,9 +81,9 @@ def _enable_metrics_if_configured(app: Celery) -> None:
     from .app import Resilient
 
     with _checked_lock:
-        if id(app) in _checked:
+        if app in _checked:
             return
-        _checked.add(id(app))
+        _checked.add(app)
         try:
             enabled = Resilient.of(app).config.metrics
         except Exception as exc:  # never let observability break a recovery action

@@ -1,0 +1,460 @@
+"""``celery resilient status/work/recover/prune/schedule`` against real stores and Redis.
+
+The commands run in-process through click (so a test can watch the signals they send) on
+stores seeded through the library's own store API, on SQLite and PostgreSQL; one test runs
+the real ``celery -A ... resilient`` entry point in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner, Result
+from kombu import Connection
+from prometheus_client import REGISTRY
+from sqlalchemy import update
+
+from celery_resilient import Resilient, messages, signals
+from celery_resilient.cli import parse_duration, resilient
+from celery_resilient.store.contexts import ContextRows
+from celery_resilient.store.schedule import ScheduleStore
+from celery_resilient.store.sql import Store
+
+from .helpers import expire, owner, run, take
+
+
+def make_app(store: Store, broker: str, **conf: Any) -> Celery:
+    app = Celery(f"cli-{uuid.uuid4().hex[:6]}", broker=broker, set_as_current=False)
+    app.conf.update(resilient_store_url=store.url, resilient_table_prefix=store.prefix, **conf)
+    Resilient(app)
+    return app
+
+
+def invoke(app: Celery, *args: str) -> Result:
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
+    return CliRunner().invoke(resilient, list(args), obj=obj, catch_exceptions=False)
+
+
+def invoke_json(app: Celery, *args: str) -> Any:
+    result = invoke(app, *args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def stored_message(task_id: str, queue: str) -> str:
+    """A broker message as a worker's receipt stores it, routed to ``queue``."""
+    body = json.dumps([[1], {}, {"callbacks": None, "errbacks": None, "chain": None,
+                                 "chord": None}])
+    headers = {"lang": "py", "task": "proj.job", "id": task_id, "root_id": task_id,
+               "parent_id": None, "group": None, "retries": 0, "argsrepr": "(1,)",
+               "kwargsrepr": "{}"}
+    return messages.from_publish(body, "application/json", "utf-8", headers, {}, "", queue)
+
+
+def age(store: Store, key: str, seconds: float) -> None:
+    """Make a finished work look finished ``seconds`` ago."""
+    w = store.t.work
+    past = store.now() - seconds
+    with store.begin() as conn:
+        conn.execute(update(w).where(w.c.work_key == key)
+                     .values(finished_at=past, updated_at=past))
+
+
+def age_ledger(store: Store, key: str, seconds: float) -> None:
+    lg = store.t.ledger
+    past = store.now() - seconds
+    with store.begin() as conn:
+        conn.execute(update(lg).where(lg.c.key == key).values(applied_at=past))
+
+
+def finish(store: Store, key: str, result: str = '"ok"') -> None:
+    claim = run(store, key, owner())
+    store.finish(key, claim.epoch, result)
+
+
+def make_dead(store: Store, key: str) -> None:
+    """A work whose execution died once with resilient_max_attempts=1: parked as dead."""
+    run(store, key, owner("gone@host"))
+    expire(store, key)
+    assert take(store, key, owner("other@host"), max_attempts=1).action == "dead"
+
+
+@pytest.fixture
+def app(store: Store, redis_url: str) -> Iterator[Celery]:
+    made = make_app(store, redis_url)
+    yield made
+    made.close()
+
+
+# -- status -------------------------------------------------------------------------------
+
+def test_status_counts_claims_owners_leases_dead_slots_and_contexts(
+        store: Store, app: Celery) -> None:
+    who = owner("worker-a@host")
+    store.record_receipt("k-reserved", "proj.job", "t1", None, None, who, 300)
+    run(store, "k-stuck", owner("worker-b@host"))
+    expire(store, "k-stuck", 120)
+    finish(store, "k-done")
+    make_dead(store, "k-dead")
+    ScheduleStore(store).claim("redbeat:job", "beat-1", [(1000.0, "tid-slot")], [],
+                               marker=1000.0)
+    ContextRows(store).create("session:1", '{"turns": []}')
+
+    data = invoke_json(app, "status")
+
+    assert data["work"] == {"reserved": 1, "running": 1, "done": 1, "dead": 1}
+    assert {(o["state"], o["owner"], o["count"]) for o in data["open_by_owner"]} == {
+        ("reserved", "worker-a@host", 1), ("running", "worker-b@host", 1)}
+    assert data["oldest_lease"]["work_key"] == "k-stuck"
+    assert data["oldest_lease"]["left_s"] < -100
+    assert data["expired_leases"] == 1
+    assert [d["work_key"] for d in data["dead"]] == ["k-dead"]
+    assert "died 1 times" in data["dead"][0]["error"]
+    assert data["beat"]["slots_pending"] == 1
+    assert data["contexts"]["count"] == 1
+
+    human = invoke(app, "status")
+    assert human.exit_code == 0, human.output
+    assert "k-stuck EXPIRED" in human.output
+    assert "expired leases: 1" in human.output
+    assert "beat slots claimed, not sent: 1" in human.output
+    assert "worker-a@host" in human.output and "k-dead" in human.output
+
+
+def test_status_masks_the_store_password(pg_url: str, table_prefix: str,
+                                         redis_url: str) -> None:
+    url = pg_url.replace("postgres@", "postgres:s3cret-pw@")
+    assert "s3cret-pw" in url
+    store = Store(url, table_prefix)  # trust authentication: the password is not checked
+    store.migrate()
+    try:
+        app = make_app(store, redis_url)
+        for args in (("status",), ("status", "--json")):
+            result = invoke(app, *args)
+            assert result.exit_code == 0, result.output
+            assert "s3cret-pw" not in result.output
+            assert "postgres:***@" in result.output
+    finally:
+        store.dispose()
+
+
+def test_commands_refuse_a_store_without_schema(tmp_path: Path, redis_url: str) -> None:
+    store = Store(f"sqlite:///{tmp_path}/empty.sqlite3", "resilient_")
+    app = make_app(store, redis_url)
+    result = invoke(app, "status")
+    assert result.exit_code == 1
+    assert "resilient migrate" in result.output
+    assert "Traceback" not in result.output
+
+
+# -- work ---------------------------------------------------------------------------------
+
+def test_work_lists_with_filters_and_limit(store: Store, app: Celery) -> None:
+    store.record_receipt("a-1", "proj.alpha", "t-a1", None, None, owner("w1@h"), 300)
+    store.record_receipt("a-2", "proj.alpha", "t-a2", None, None, owner("w2@h"), 300)
+    store.record_receipt("b-1", "proj.beta", "t-b1", None, None, owner("w1@h"), 300)
+    finish(store, "b-2")
+
+    everything = invoke_json(app, "work")
+    assert {w["work_key"] for w in everything} == {"a-1", "a-2", "b-1", "b-2"}
+    assert {w["work_key"] for w in invoke_json(app, "work", "--task", "proj.alpha")} == {
+        "a-1", "a-2"}
+    assert {w["work_key"] for w in invoke_json(app, "work", "--owner", "w1@h")} == {
+        "a-1", "b-1"}
+    assert [w["work_key"] for w in invoke_json(app, "work", "--state", "done")] == ["b-2"]
+    both = invoke_json(app, "work", "--state", "done", "--state", "reserved")
+    assert len(both) == 4
+    assert len(invoke_json(app, "work", "--limit", "2")) == 2
+
+    table = invoke(app, "work", "--task", "proj.beta")
+    assert table.exit_code == 0
+    assert "b-1" in table.output and "a-1" not in table.output
+    bad = invoke(app, "work", "--state", "nonsense")
+    assert bad.exit_code == 2
+
+
+def test_work_show_has_checkpoint_steps_ledger_and_result(store: Store, app: Celery) -> None:
+    claim = run(store, "k-show", owner("w1@h"))
+    store.save_checkpoint("k-show", claim.epoch, '{"row": 1}')
+    store.save_checkpoint("k-show", claim.epoch, '{"row": 2}')
+    store.put_step("k-show", claim.epoch, "notify", '"sent"')
+    assert store.ledger_put("charge:k-show", "k-show", claim.epoch, '"receipt-1"')
+    store.finish("k-show", claim.epoch, '{"rows": 2}')
+
+    data = invoke_json(app, "work", "show", "k-show")
+    assert data["state"] == "done"
+    assert data["result"] == {"rows": 2}
+    assert data["checkpoint"]["state"] == {"row": 2}
+    assert data["checkpoint"]["seq"] == 2
+    assert [(s["name"], s["result"]) for s in data["steps"]] == [("notify", "sent")]
+    assert [x["key"] for x in data["ledger"]] == ["charge:k-show"]
+
+    human = invoke(app, "work", "show", "k-show")
+    assert human.exit_code == 0
+    assert '{"row": 2}' in human.output and "checkpoint: #2" in human.output
+    assert "notify" in human.output and "charge:k-show" in human.output
+
+    run(store, "k-failed", owner())
+    failing = store.get_work("k-failed")
+    assert failing is not None
+    store.fail("k-failed", failing.epoch, "ValueError: bad row 7")
+    assert invoke_json(app, "work", "show", "k-failed")["error"] == "ValueError: bad row 7"
+
+    missing = invoke(app, "work", "show", "no-such-key")
+    assert missing.exit_code == 1
+    assert "no work is stored under 'no-such-key'" in missing.output
+
+
+# -- recover ------------------------------------------------------------------------------
+
+@pytest.fixture
+def broker_queue(redis_url: str, queue_name: str) -> Iterator[Any]:
+    with Connection(redis_url) as conn:
+        queue = conn.SimpleQueue(queue_name)
+        try:
+            yield queue
+        finally:
+            queue.queue.delete()
+            queue.close()
+
+
+def test_recover_dry_run_changes_nothing_then_recover_republishes(
+        store: Store, redis_url: str, queue_name: str, broker_queue: Any) -> None:
+    app = make_app(store, redis_url, resilient_metrics=True)
+    key = f"orphan-{uuid.uuid4().hex[:8]}"
+    store.record_receipt(key, "proj.job", key, None, stored_message(key, queue_name),
+                         owner("dead-worker@host"), 300)
+    run(store, key, owner("dead-worker@host"), task_id=key)
+    expire(store, key, 60)
+    store.record_receipt("k-live", "proj.job", "t-live", None, stored_message("t-live",
+                                                                             queue_name),
+                         owner("live-worker@host"), 300)
+    before = store.get_work(key)
+
+    dry = invoke_json(app, "recover", "--dry-run")
+    assert [(c["work_key"], c["reason"], c["counts_death"], c["has_message"])
+            for c in dry["would_republish"]] == [(key, "lease_expired", True, True)]
+    assert store.get_work(key) == before  # nothing changed
+    with pytest.raises(broker_queue.Empty):
+        broker_queue.get(block=False)  # nothing was published
+    human = invoke(app, "recover", "--dry-run")
+    assert "1 orphan(s) would be re-published" in human.output and key in human.output
+
+    with_node = invoke_json(app, "recover", "--dry-run", "--node", "live-worker@host")
+    assert {(c["work_key"], c["reason"]) for c in with_node["would_republish"]} == {
+        (key, "lease_expired"), ("k-live", "node_gone")}
+    assert store.get_work(key) == before
+
+    sample = ("resilient_work_recovered_total", {"task": "proj.job"})
+    counter_before = REGISTRY.get_sample_value(*sample) or 0.0
+    seen: list[dict[str, Any]] = []
+
+    def on_recovered(sender: Any = None, **kwargs: Any) -> None:
+        seen.append({"sender": sender, **kwargs})
+
+    signals.work_recovered.connect(on_recovered, weak=False)
+    try:
+        done = invoke_json(app, "recover")
+    finally:
+        signals.work_recovered.disconnect(on_recovered)
+
+    assert [r["work_key"] for r in done["republished"]] == [key]
+    assert done["republished"][0]["previous_state"] == "running"
+    assert done["not_republished"] == []
+    row = store.get_work(key)
+    assert row is not None and before is not None
+    assert (row.state, row.republished, row.deaths) == ("requeued", before.republished + 1,
+                                                         before.deaths + 1)
+    live = store.get_work("k-live")
+    assert live is not None and live.state == "reserved"  # a live lease is left alone
+
+    message = broker_queue.get(timeout=10)
+    assert message.headers["id"] == key
+    assert message.headers["resilient_republished"] == 1
+    message.ack()
+
+    assert [(s["sender"], s["work_key"], s["task_id"], s["previous_state"],
+             s["previous_owner"], s["app"]) for s in seen] == [
+        ("proj.job", key, key, "running", "dead-worker@host", app)]
+    assert REGISTRY.get_sample_value(*sample) == counter_before + 1  # resilient_metrics=True
+
+    again = invoke_json(app, "recover")
+    assert again["republished"] == []  # the new lease holds it until submit_timeout
+
+
+def test_recover_reports_an_orphan_without_a_stored_message(store: Store, app: Celery) -> None:
+    run(store, "k-nomsg", owner("gone@host"))
+    expire(store, "k-nomsg")
+    dry = invoke_json(app, "recover", "--dry-run")
+    assert dry["would_republish"][0]["has_message"] is False
+    assert "MISSING" in invoke(app, "recover", "--dry-run").output
+    done = invoke_json(app, "recover")
+    assert done["republished"] == []
+    assert [c["work_key"] for c in done["not_republished"]] == ["k-nomsg"]
+
+
+# -- prune --------------------------------------------------------------------------------
+
+def test_parse_duration() -> None:
+    assert parse_duration("90") == 90
+    assert parse_duration("15m") == 900
+    assert parse_duration("7d") == 7 * 86_400
+    assert parse_duration("1d12h") == 36 * 3600
+    assert parse_duration("2w") == 14 * 86_400
+    for bad in ("", "0", "7x", "d", "-1d"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_prune_dry_run_counts_then_deletes_only_old_finished_work(
+        store: Store, app: Celery) -> None:
+    day = 86_400.0
+    for key in ("old-done", "new-done"):
+        claim = run(store, key, owner())
+        store.save_checkpoint(key, claim.epoch, '{"row": 3}')
+        store.put_step(key, claim.epoch, "s1", "1")
+        store.put_step(key, claim.epoch, "s2", "2")
+        store.ledger_put(f"ledger:{key}", key, claim.epoch, "null")
+        store.finish(key, claim.epoch, "null")
+    age(store, "old-done", 10 * day)
+    age_ledger(store, "ledger:old-done", 10 * day)
+    make_dead(store, "old-dead")
+    age(store, "old-dead", 10 * day)
+    claim = run(store, "old-failed", owner())
+    store.fail("old-failed", claim.epoch, "boom")
+    age(store, "old-failed", 10 * day)
+    running = run(store, "old-running", owner())
+    store.ledger_put("ledger:old-running", "old-running", running.epoch, "null")
+    age_ledger(store, "ledger:old-running", 10 * day)  # its work is still open: kept
+    age(store, "old-running", 10 * day)
+
+    dry = invoke_json(app, "prune", "--older-than", "7d", "--dry-run")
+    assert dry["would_delete"] == {"work": 3, "checkpoints": 1, "steps": 2, "ledger": 1}
+    assert store.get_work("old-done") is not None  # nothing deleted
+    assert store.load_checkpoint("old-done") is not None
+    assert "would delete 3 finished work" in invoke(
+        app, "prune", "--older-than", "7d", "--dry-run").output
+
+    no_ledger = invoke_json(app, "prune", "--older-than", "7d", "--dry-run", "--no-ledger")
+    assert no_ledger["would_delete"]["ledger"] == 0
+
+    done = invoke_json(app, "prune", "--older-than", "7d")
+    assert done["deleted"] == {"work": 3, "checkpoints": 1, "steps": 2, "ledger": 1}
+    for key in ("old-done", "old-dead", "old-failed"):
+        assert store.get_work(key) is None
+    assert store.load_checkpoint("old-done") is None
+    assert store.get_step("old-done", "s1") is None
+    assert store.ledger_get("ledger:old-done") is None
+    for key in ("new-done", "old-running"):
+        assert store.get_work(key) is not None
+    assert store.load_checkpoint("new-done") is not None
+    assert store.get_step("new-done", "s2") == "2"
+    assert store.ledger_get("ledger:new-done") == "null"
+    assert store.ledger_get("ledger:old-running") == "null"
+
+    assert invoke_json(app, "prune", "--older-than", "7d")["deleted"]["work"] == 0
+    assert invoke(app, "prune").exit_code == 2  # --older-than is required
+
+
+def test_prune_works_through_more_than_one_batch(store: Store, app: Celery) -> None:
+    from celery_resilient.store.admin_queries import AdminQueries
+
+    keys = [f"batch-{i}" for i in range(7)]
+    for key in keys:
+        finish(store, key)
+        age(store, key, 3600)
+    counts = AdminQueries(store).prune(60, batch=3)
+    assert counts.work == 7
+    assert all(store.get_work(k) is None for k in keys)
+
+
+def test_prune_keeps_ledger_markers_with_no_ledger(store: Store, app: Celery) -> None:
+    assert store.ledger_put("global:1", None, None, "1")
+    age_ledger(store, "global:1", 30 * 86_400)
+    assert invoke_json(app, "prune", "--older-than", "7d", "--no-ledger")["deleted"][
+        "ledger"] == 0
+    assert store.ledger_get("global:1") == "1"
+    assert invoke_json(app, "prune", "--older-than", "7d")["deleted"]["ledger"] == 1
+    assert store.ledger_get("global:1") is None
+
+
+# -- schedule -----------------------------------------------------------------------------
+
+def test_schedule_shows_last_next_missed_and_pending_slots(store: Store, app: Celery) -> None:
+    from celery.schedules import schedule
+    from redbeat.decoder import RedBeatJSONEncoder
+
+    definition = json.dumps({"name": "every-minute", "task": "proj.tick", "args": [],
+                             "kwargs": {}, "options": {}, "schedule": schedule(60),
+                             "enabled": True}, cls=RedBeatJSONEncoder)
+    wrapped = json.dumps({"static": True, "definition": definition}, sort_keys=True)
+    slots = ScheduleStore(store)
+    marker = float(int(store.now()) - 330)  # 5 slots of 60 s since the marker, none sent
+    slots.ensure_markers([("redbeat:every-minute", marker, wrapped),
+                          ("redbeat:no-definition", marker, None)])
+    slots.claim("redbeat:every-minute", "beat-1", [(marker - 60, "tid-a"), (marker, "tid-b")],
+                [(marker - 120, "tid-skip")], marker=marker)
+    assert slots.mark_sent("redbeat:every-minute", [marker - 60], "beat-1") == 1
+
+    rows = {r["entry"]: r for r in invoke_json(app, "schedule")}
+    row = rows["redbeat:every-minute"]
+    assert (row["name"], row["task"]) == ("every-minute", "proj.tick")
+    assert row["missed"] == 5
+    assert row["pending"] == 1 and row["sent"] == 1 and row["skipped"] == 1
+    assert row["last_slot"] == _iso(marker)
+    assert row["next_slot"] == _iso(marker + 360)
+    assert row["last_sent_slot"] == _iso(marker - 60)
+    bare = rows["redbeat:no-definition"]
+    assert bare["missed"] is None and bare["note"]
+
+    table = invoke(app, "schedule")
+    assert table.exit_code == 0
+    assert "every-minute" in table.output and _iso(marker + 360) in table.output
+
+
+def _iso(ts: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+
+
+# -- the real entry point -------------------------------------------------------------------
+
+def test_celery_entry_point_runs_the_operator_commands(
+        pg_url: str, table_prefix: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    env = {**os.environ, "RESILIENT_STORE_URL": pg_url, "RESILIENT_TABLE_PREFIX": table_prefix,
+           "RESILIENT_EFFECT_LOG": str(tmp_path / "effects.jsonl")}
+    store = Store(pg_url, table_prefix)
+    store.migrate()
+    try:
+        run(store, "k-entry", owner("gone@host"))
+        expire(store, "k-entry")
+
+        def celery(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.e2e.proj",
+                                   "resilient", *args], env=env, cwd=request.config.rootpath,
+                                  capture_output=True, text=True, timeout=60, check=False)
+
+        status = celery("status")
+        assert status.returncode == 0, status.stderr
+        assert "k-entry EXPIRED" in status.stdout
+        dry = celery("recover", "--dry-run", "--json")
+        assert dry.returncode == 0, dry.stderr
+        assert [c["work_key"] for c in json.loads(dry.stdout)["would_republish"]] == ["k-entry"]
+        shown = celery("work", "show", "k-entry", "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["state"] == "running"
+        row = store.get_work("k-entry")
+        assert row is not None and row.state == "running"  # read-only commands changed nothing
+    finally:
+        store.dispose()
