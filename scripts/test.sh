@@ -16,4 +16,5 @@ fi
 
 echo "== ruff"; "$VENV/bin/ruff" check celery_resilient tests benchmarks example_project
 echo "== mypy"; "$VENV/bin/mypy" celery_resilient
+echo "== docs"; NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --site-dir "$(mktemp -d)"
 echo "== pytest"; "$VENV/bin/python" -m pytest "$@"
