@@ -4,8 +4,8 @@ Celery's usual Django setup, ``app.config_from_object("django.conf:settings",
 namespace="CELERY")``, already maps ``CELERY_RESILIENT_STORE_URL`` to
 ``resilient_store_url`` (and so on for every setting): nothing here re-implements that. What
 this module adds is the default store URL, taken from ``DATABASES`` when no store URL is set,
-as a Celery *default* (``app.add_defaults``): evaluated when the Celery app's configuration is
-first read, and below anything the project sets itself.
+filled in when the Celery app's configuration is loaded (``on_after_configure``) and only if
+nothing else set one.
 """
 
 from __future__ import annotations
@@ -88,22 +88,32 @@ def database_url(alias: str = "default",
 def configure_from_django(app: Celery, alias: str = "default") -> None:
     """Default ``app``'s store to Django's database ``alias`` when it sets no store URL.
 
-    Idempotent. Lazy: ``DATABASES`` is read when the Celery configuration is first read (so a
-    test database created in between is the one used). Call it before the app's resilient
-    settings are first used (the app config does this for Celery apps read from Django's
-    settings); an explicit ``CELERY_RESILIENT_STORE_URL`` always wins.
+    Idempotent. Lazy: applied when the Celery configuration is loaded (Celery's
+    ``on_after_configure``), so ``DATABASES`` is read then (a test database created in
+    between is the one used), and only when no ``resilient_store_url`` came from anywhere
+    (``CELERY_RESILIENT_STORE_URL``, ``app.conf``): an explicit store URL always wins. Call
+    it before the app's resilient settings are first used; the app config does this for the
+    Celery apps that read Django's settings.
     """
     if getattr(app, _CONFIGURED, False):
         return
     setattr(app, _CONFIGURED, True)
 
-    def defaults() -> dict[str, str]:
+    def apply(conf: Any) -> None:
+        if conf.get(PREFIX + "store_url"):
+            return
         url = database_url(alias)
+        conf[PREFIX + "store_url"] = url
         log.info("celery-resilient: store defaults to Django's %r database: %s", alias,
                  sanitize_url(url), extra={"action": "config_default"})
-        return {PREFIX + "store_url": url}
 
-    app.add_defaults(defaults)
+    if app.configured:
+        apply(app.conf)
+    else:
+        def on_after_configure(sender: Any = None, source: Any = None, **_: Any) -> None:
+            apply(source)
+
+        app.on_after_configure.connect(on_after_configure, weak=False)
 
 
 def reads_django_settings(app: Celery) -> bool:
