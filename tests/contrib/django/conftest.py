@@ -19,6 +19,7 @@ from django.conf import settings
 from django.core.management import call_command
 
 from celery_resilient import Resilient
+from celery_resilient.contrib.django import configure_from_django
 
 from . import celeryapp
 from . import settings as test_settings
@@ -35,6 +36,7 @@ def resilient_schema(django_db_setup: Any, django_db_blocker: Any) -> None:
     app = Celery("djproj-migrate", set_as_current=False)
     app.config_from_object("django.conf:settings", namespace="CELERY")
     Resilient(app)
+    configure_from_django(app)
     celeryapp.app = app
     try:
         with django_db_blocker.unblock():
@@ -51,11 +53,14 @@ def project_app(resilient_schema: None, db: Any,
     app = Celery(f"djproj-{uuid.uuid4().hex[:6]}", set_as_current=False)
     app.config_from_object("django.conf:settings", namespace="CELERY")
     rt = Resilient(app)
+    configure_from_django(app)  # made after Django's setup: ready() has not seen it
     monkeypatch.setattr(celeryapp, "app", app)
     yield app
     if rt._store is not None:
-        _empty(rt)
-        rt.store.dispose()  # before pytest-django drops the test database
+        try:
+            _empty(rt)
+        finally:
+            rt._store.dispose()  # before pytest-django drops the test database
     app.close()
 
 

@@ -87,6 +87,7 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 Resilient(app)
 import django
 django.setup()  # runs CeleryResilientConfig.ready()
+from django.conf import settings
 del settings.RESILIENT_CELERY_APP
 from celery_resilient.contrib.django import celery_app, runtime
 print(json.dumps({"found": celery_app() is app,
