@@ -12,6 +12,7 @@ import os
 SECRET_KEY = "celery-resilient-tests"
 DEBUG = False
 USE_TZ = True
+TIME_ZONE = "UTC"
 ALLOWED_HOSTS = ["testserver"]
 DATABASES = {
     "default": {
