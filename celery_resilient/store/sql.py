@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import (
+    BigInteger,
     Connection,
     Engine,
     Float,
@@ -29,6 +30,7 @@ from sqlalchemy import (
     case,
     delete,
     func,
+    literal,
     or_,
     select,
     update,
@@ -184,6 +186,22 @@ class _Hot:
                    w.c.state == RUNNING)
             .values(updated_at=now)
         )
+        if not dialect.is_sqlite:
+            # Fence and upsert in one statement (PostgreSQL allows DML in a top-level WITH):
+            # the checkpoint row is written only if the fencing UPDATE matched.
+            c = t.checkpoints
+            fenced = self.fence.returning(w.c.work_key).cte("fenced")
+            src = select(
+                fenced.c.work_key, bindparam("e", type_=BigInteger), literal(1, BigInteger),
+                bindparam("state_json", type_=Text), now,
+            )
+            up = dialect.insert(c).from_select(
+                ["work_key", "epoch", "seq", "state_json", "updated_at"], src)
+            self.fenced_checkpoint = up.on_conflict_do_update(
+                index_elements=[c.c.work_key],
+                set_={"epoch": up.excluded.epoch, "seq": c.c.seq + 1,
+                      "state_json": up.excluded.state_json, "updated_at": up.excluded.updated_at},
+            ).returning(c.c.seq).add_cte(fenced)
         ins = dialect.insert(w).values(
             work_key=bindparam("work_key"), task_name=bindparam("task_name"),
             task_id=bindparam("task_id"), args_digest=bindparam("args_digest", type_=String),
@@ -249,6 +267,22 @@ class Store:
             conn.close()
             raise
         return conn
+
+    @contextmanager
+    def single(self) -> Iterator[Connection]:
+        """A connection for exactly one atomic write statement.
+
+        On PostgreSQL it runs in autocommit: the statement is its own transaction, one round
+        trip instead of three (statement, then COMMIT; no separate BEGIN). SQLite takes the
+        normal writing transaction.
+        """
+        if self.dialect.is_sqlite:
+            with self.begin() as conn:
+                yield conn
+            return
+        with self.engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            yield conn
 
     @contextmanager
     def begin(self) -> Iterator[Connection]:
@@ -366,6 +400,11 @@ class Store:
         ``message_if_new`` builds a re-publishable message when no receipt was recorded yet.
         """
         w = self.t.work
+        with self.single() as conn:
+            fast = self._take_fast(conn, work_key, task_id, args_digest, owner, lease_seconds,
+                                   max_attempts)
+        if fast is not None:
+            return fast
         for _ in range(3):
             try:
                 with self.begin() as conn:
@@ -385,14 +424,10 @@ class Store:
     ) -> TakeOutcome:
         w = self.t.work
         now = self.dialect.now()
-        fast = conn.execute(self._hot.take_fast, {
-            "k": work_key, "max_attempts": max_attempts, "digest": args_digest,
-            "node": owner.node, "inc": owner.incarnation, "pid": owner.pid,
-            "lease": lease_seconds, "task_id": task_id,
-        }).first()
-        if fast is not None:
-            return TakeOutcome("run", Claim(work_key, int(fast.epoch), int(fast.attempts),
-                                            int(fast.deaths)))
+        fast = self._take_fast(conn, work_key, task_id, args_digest, owner, lease_seconds,
+                               max_attempts)
+        if fast is not None:  # it changed since the first attempt outside this transaction
+            return fast
         row = conn.execute(
             select(w, self.dialect.now().label("db_now"))
             .where(w.c.work_key == work_key)
@@ -445,6 +480,20 @@ class Store:
         ))
         return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths))
 
+    def _take_fast(self, conn: Connection, work_key: str, task_id: str,
+                   args_digest: str | None, owner: Owner, lease_seconds: float,
+                   max_attempts: int) -> TakeOutcome | None:
+        """The common take in one statement, or None when the careful path must decide."""
+        row = conn.execute(self._hot.take_fast, {
+            "k": work_key, "max_attempts": max_attempts, "digest": args_digest,
+            "node": owner.node, "inc": owner.incarnation, "pid": owner.pid,
+            "lease": lease_seconds, "task_id": task_id,
+        }).first()
+        if row is None:
+            return None
+        return TakeOutcome("run", Claim(work_key, int(row.epoch), int(row.attempts),
+                                        int(row.deaths)))
+
     @staticmethod
     def _running_elsewhere(
         row: Row[Any], owner: Owner,
@@ -479,7 +528,7 @@ class Store:
 
     def _close(self, work_key: str, epoch: int, state: str, result_json: str | None = None,
                error: str | None = None) -> None:
-        with self.begin() as conn:
+        with self.single() as conn:
             res = conn.execute(self._hot.close, {"k": work_key, "e": epoch, "state": state,
                                                  "result_json": result_json, "error": error})
             if res.rowcount != 1:
@@ -607,6 +656,17 @@ class Store:
 
     @guarded
     def save_checkpoint(self, work_key: str, epoch: int, state_json: str) -> int:
+        if not self.dialect.is_sqlite:
+            with self.single() as conn:
+                seq = conn.execute(self._hot.fenced_checkpoint,
+                                   {"k": work_key, "e": epoch, "state_json": state_json}
+                                   ).scalar_one_or_none()
+            if seq is None:
+                raise StaleClaimError(
+                    f"claim on work {work_key!r} at epoch {epoch} was superseded; "
+                    "checkpoint refused"
+                )
+            return int(seq)
         c = self.t.checkpoints
         now = self.dialect.now()
         ins = self.dialect.insert(c).values(
