@@ -6,6 +6,7 @@ Redis broker, Redis result backend, PostgreSQL store, a prefork ``celery worker`
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,17 +50,19 @@ def test_progress_is_visible_through_async_result_and_resumes_after_sigkill(
     worker = project.nodes.worker("tests.e2e.progressproj", name="progress", concurrency=1,
                                   queues=(project.queue,), env=env)
     gate = tmp_path / "gate"
+    # A task id of its own: the backend never lets PROGRESS overwrite an earlier SUCCESS.
+    task_id = f"progress-{uuid.uuid4().hex[:12]}"
     result = client.send_task("tests.e2e.progressproj.count", args=(TOTAL, PAUSE_AT, str(gate)),
-                              task_id="progress-1")
+                              task_id=task_id)
 
     info = wait_for(lambda: _progress(result) == {"done": PAUSE_AT, "total": TOTAL}
                     and result.info, 60, "PROGRESS 2/4 in the result backend")
     assert info == {"done": PAUSE_AT, "total": TOTAL}
-    row = project.store.get_work("progress-1")
+    row = project.store.get_work(task_id)
     assert row is not None and row.state == "running"
 
     worker.kill("SIGKILL")  # the whole worker, mid-task: the progress stays where it was
-    assert AsyncResult("progress-1", app=client).info == {"done": PAUSE_AT, "total": TOTAL}
+    assert AsyncResult(task_id, app=client).info == {"done": PAUSE_AT, "total": TOTAL}
     gate.touch()
     worker.restart()
 
@@ -67,6 +70,6 @@ def test_progress_is_visible_through_async_result_and_resumes_after_sigkill(
     assert final == {"total": TOTAL, "resumed_from": PAUSE_AT}  # resumed from its checkpoint
     assert result.state == "SUCCESS"
     counts = effect_log.counts()
-    assert [counts[f"item:progress-1:{i}"] for i in range(TOTAL)] == [1, 1, 1, 1]
-    row = project.store.get_work("progress-1")
+    assert [counts[f"item:{task_id}:{i}"] for i in range(TOTAL)] == [1, 1, 1, 1]
+    row = project.store.get_work(task_id)
     assert row is not None and row.state == "done"
