@@ -43,7 +43,7 @@ class Checkpoint:
             log.info("resuming %s from checkpoint #%d", self._x.work_key, self.sequence,
                      extra={"action": "resumed", "work_key": self._x.work_key,
                             "checkpoint_seq": self.sequence})
-        return codec.decode(text)
+        return codec.decode(text, f"checkpoint #{self.sequence} of work {self._x.work_key!r}")
 
     def save(self, state: Any, progress: tuple[int, int] | None = None) -> int:
         """Store ``state`` durably; returns its sequence number (1, 2, ...).

@@ -30,8 +30,17 @@ def encode(value: Any, what: str = "value") -> str:
     return text
 
 
-def decode(text: str | None) -> Any:
-    return None if text is None else _loads(text)
+def decode(text: str | None, what: str = "stored value") -> Any:
+    """The value stored as ``text``; a corrupted row is a :class:`SerializationError`."""
+    if text is None:
+        return None
+    try:
+        return _loads(text)
+    except ValueError as exc:  # json.JSONDecodeError, or a bad kombu type marker
+        raise SerializationError(
+            f"{what} is corrupted: not valid JSON ({exc}); it was changed outside "
+            "celery-resilient. Repair or delete the row; nothing was overwritten"
+        ) from None
 
 
 def digest(value: Any) -> str:

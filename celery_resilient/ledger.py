@@ -66,7 +66,7 @@ class Ledger:
         if stored is not None:
             log.info("ledger key %s already applied; skipping", key,
                      extra={"action": "ledger_skipped", "ledger_key": key})
-            result: R = codec.decode(stored)
+            result: R = codec.decode(stored, f"stored result of ledger key {key!r}")
             return result
         if self._x is not None:
             self._store.assert_current(self._x.work_key, self._x.epoch)

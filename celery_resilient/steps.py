@@ -29,7 +29,7 @@ def run_step(x: Execution, name: str, fn: Callable[..., R], *args: Any, **kwargs
     if stored is not None:
         log.info("step %s of %s already applied; returning its stored result", name, x.work_key,
                  extra={"action": "step_replayed", "work_key": x.work_key, "step": name})
-        result: R = codec.decode(stored)
+        result: R = codec.decode(stored, f"stored result of step {name!r} of work {x.work_key!r}")
         return result
     x.store.assert_current(x.work_key, x.epoch)  # a known zombie never starts the effect
     result = fn(*args, **kwargs)

@@ -54,7 +54,7 @@ class Maintainer(threading.Thread):
             try:
                 self.flush_receipts()
                 if now >= next_heartbeat:
-                    self.rt.store.heartbeat(self.owner, cfg.lease_seconds)
+                    self.rt.store.heartbeat(self.owner, cfg.lease_seconds, identity.pid_alive)
                     next_heartbeat = now + cfg.heartbeat_interval
                 if now >= next_sweep:
                     recovery.sweep(self.rt, self.owner)

@@ -13,6 +13,9 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import NoSuchModuleError
+
+from ..errors import ConfigurationError
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "resilient_write"
@@ -54,11 +57,21 @@ def _sqlite_engine(url: str) -> Engine:
 
 
 def build_engine(url: str) -> Engine:
-    if make_url(url).get_backend_name() == "sqlite":
-        return _sqlite_engine(url)
-    # No pre-ping: a stale pooled connection is detected on use and retried once (``guarded``).
-    return create_engine(url, pool_size=5, max_overflow=5,
-                         connect_args=_connect_args(url))
+    try:
+        if make_url(url).get_backend_name() == "sqlite":
+            return _sqlite_engine(url)
+        # No pre-ping: a stale pooled connection is detected on use and retried once
+        # (``guarded``).
+        return create_engine(url, pool_size=5, max_overflow=5,
+                             connect_args=_connect_args(url))
+    except (NoSuchModuleError, ImportError) as exc:
+        from ..config import sanitize_url
+
+        raise ConfigurationError(
+            f"resilient_store_url={sanitize_url(url)!r} names a database driver that is not "
+            f"installed or does not exist ({exc}); e.g. install the postgres extra for "
+            "postgresql+psycopg://"
+        ) from None
 
 
 def _connect_args(url: str) -> dict[str, Any]:

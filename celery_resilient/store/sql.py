@@ -538,15 +538,34 @@ class Store:
                 )
 
     @guarded
-    def heartbeat(self, owner: Owner, lease_seconds: float) -> int:
-        """Renew every lease this incarnation holds, in one statement; return how many."""
+    def heartbeat(self, owner: Owner, lease_seconds: float,
+                  pid_alive: Callable[[int | None], bool] | None = None) -> int:
+        """Renew every lease this incarnation holds, in one statement; return how many.
+
+        With ``pid_alive``, a running claim whose pool process is gone (a SIGKILLed prefork
+        child) is not renewed: its lease ends now and the sweeper re-publishes it. Renewing it
+        would keep a dead execution's claim alive as long as the main process lives, and the
+        copy Celery requeues for it would be skipped as "held" by any other worker.
+        """
         w, wk = self.t.work, self.t.workers
         now = self.dialect.now()
         with self.begin() as conn:
+            mine = and_(w.c.incarnation == owner.incarnation, w.c.state.in_((RESERVED, RUNNING)))
+            dead: list[int] = []
+            if pid_alive is not None:
+                pids = conn.execute(select(w.c.owner_pid).distinct().where(
+                    w.c.incarnation == owner.incarnation, w.c.state == RUNNING)).scalars()
+                dead = [p for p in pids if p is not None and p != owner.pid and not pid_alive(p)]
+            if dead:
+                lapsed = conn.execute(
+                    update(w).where(w.c.incarnation == owner.incarnation, w.c.state == RUNNING,
+                                    w.c.owner_pid.in_(dead))
+                    .values(lease_expires_at=now)).rowcount
+                log.warning("%d claim(s) of dead pool process(es) %s: lease ended", lapsed, dead,
+                            extra={"action": "lease_lapsed", "pids": dead})
+                mine = and_(mine, or_(w.c.owner_pid.is_(None), w.c.owner_pid.not_in(dead)))
             renewed = conn.execute(
-                update(w)
-                .where(w.c.incarnation == owner.incarnation, w.c.state.in_((RESERVED, RUNNING)))
-                .values(lease_expires_at=now + lease_seconds)
+                update(w).where(mine).values(lease_expires_at=now + lease_seconds)
             ).rowcount
             ins = self.dialect.insert(wk).values(
                 incarnation=owner.incarnation, node=owner.node, pid=owner.pid,

@@ -1,0 +1,707 @@
+"""Chaos soak: real workers SIGKILLed at random while they work, the broker and the store restarted.
+
+    python benchmarks/chaos.py --tasks 10000 --workers 4 --kills 100 --seconds 1500   # full
+    python benchmarks/chaos.py --tasks 300 --workers 3 --kills 10 --seconds 240       # CI size
+
+Everything it touches is its own: a throwaway ``redis-server`` (append-only file, fsync always)
+on a free port as the broker, a throwaway PostgreSQL cluster (initdb under /tmp, free port) as
+the store, worker processes of ``tests/chaos/chaosproj.py`` in their own process groups. The
+machine's own servers are never stopped.
+
+Timeline: tasks (long checkpointing tasks, short tasks, step tasks, ``ledger.atomic`` tasks)
+are submitted at a steady pace during the chaos phase; meanwhile a random worker is SIGKILLed
+every few seconds (its whole process group, then restarted at once or after a pause longer
+than the lease, so other workers take its claims over; or one pool child only), Redis is
+SIGKILLed and restarted once and PostgreSQL is stopped (``-m immediate``) and started once.
+Then every worker is up and the run drains. Bounded: ``--seconds`` is a hard deadline.
+
+The invariants are checked from the store and from the effect log (one fsync'd line per effect
+written by the process that did it); any violation exits 1, a deadline overrun exits 2:
+
+1. every task is ``done``; no work row is reserved/running/requeued/failed/dead;
+2. steps and ledger effects: once a step result or ledger marker is stored, no later execution
+   runs the effect again (no effect line from an epoch after the stored one) and the stored
+   result names an epoch whose effect was recorded; an effect line repeats only from an
+   earlier, superseded epoch (the kill window between the effect and its marker), never twice
+   from one epoch;
+3. ``ledger.atomic`` writes to the store's database: exactly one row per work;
+4. checkpoints never go backwards: per work, the sequence numbers of the saves are strictly
+   increasing in log order, every (re)start resumes at or beyond the last logged save, and the
+   final checkpoint is the last row;
+5. rows (effects outside the store, made before each checkpoint): every row ran; no row ran
+   twice in one execution; an execution that follows another resumed at that execution's
+   last row (the row in flight at the kill, run again) or the one after it, never earlier;
+6. nothing ran after the work was done: no effect line from an epoch above the final epoch,
+   and the finishing execution of a long or short task recorded its start or effect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sqlalchemy import select  # noqa: E402
+
+from celery_resilient import codec  # noqa: E402
+from celery_resilient.errors import ResilientError  # noqa: E402
+from celery_resilient.store.sql import Store  # noqa: E402
+from celery_resilient.testing import EffectLog  # noqa: E402
+from celery_resilient.testing.nodes import LocalWorker  # noqa: E402
+from tests.chaos import chaosproj  # noqa: E402
+
+T = TypeVar("T")
+APP = "tests.chaos.chaosproj"
+PREFIX = "chaos_"
+MIX = (("long", 0.2), ("short", 0.5), ("steps", 0.15), ("atomic", 0.15))
+WORKER_SETTINGS = {
+    "resilient_lease_seconds": 6, "resilient_heartbeat_interval": 1,
+    "resilient_sweep_interval": 1, "resilient_max_attempts": 1000,
+    "resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2,
+    "resilient_durable_submit": True, "resilient_submit_timeout": 10,
+}
+
+
+def log(message: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def wait_for(condition: Callable[[], T], timeout: float, what: str,
+             interval: float = 0.1) -> T:
+    deadline = time.monotonic() + timeout
+    value = condition()
+    while not value:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+        value = condition()
+    return value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- throwaway services ----------------------------------------------------------------------
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name) or next(iter(sorted(glob.glob(
+        f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+    if found is None:
+        raise SystemExit(f"{name} not found: install the PostgreSQL server binaries")
+    return found
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL cluster of our own under /tmp on a free port (run as postgres if root)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="chaos-pg-", dir="/tmp"))
+        self.data = self.dir / "data"
+        self.port = free_port()
+        self.user = "postgres" if os.geteuid() == 0 else None
+        if self.user:
+            shutil.chown(self.dir, self.user)
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run(argv, check=True, user=self.user, capture_output=True, timeout=120)
+
+    def init(self) -> ThrowawayPostgres:
+        self._run(_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+                  "--no-sync", "-E", "UTF8")
+        return self
+
+    def start(self) -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "server.log"),
+                  "-w", "-t", "60", "-o",
+                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                  "-c max_connections=200", "start")
+
+    def stop_immediately(self) -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def running(self) -> bool:
+        return subprocess.run([_pg_bin("pg_ctl"), "-D", str(self.data), "status"],
+                              check=False, user=self.user, capture_output=True).returncode == 0
+
+    def destroy(self) -> None:
+        if self.data.exists() and self.running():
+            self.stop_immediately()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ThrowawayRedis:
+    """A redis-server of our own on a free port; AOF with fsync always, so a kill keeps data."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="chaos-redis-", dir="/tmp"))
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server not found")
+        with (self.dir / "server.log").open("ab") as out:
+            self.proc = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                 "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+                 "--protected-mode", "no"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(self._pings, 30, "the throwaway redis-server to accept connections")
+
+    def _pings(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def destroy(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    tasks: int = 0
+    workers: int = 0
+    kills_group: int = 0
+    kills_child: int = 0
+    kills_mid_task: int = 0
+    delayed_restarts: int = 0
+    unplanned_exits: int = 0
+    redis_restarts: int = 0
+    pg_restarts: int = 0
+    chaos_seconds: float = 0.0
+    drain_seconds: float = 0.0
+    total_seconds: float = 0.0
+    deaths: int = 0
+    republished: int = 0
+    resumed_long: int = 0
+    rows_repeated: int = 0
+    short_repeated: int = 0
+    step_effects_repeated: int = 0
+    ledger_effects_repeated: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.dir = Path(tempfile.mkdtemp(prefix="chaos-run-", dir="/tmp"))
+        self.effects = EffectLog(self.dir / "effects.jsonl")
+        self.redis = ThrowawayRedis()
+        self.pg = ThrowawayPostgres()
+        self.queue = f"chaos-{uuid.uuid4().hex[:8]}"
+        self.workers: list[LocalWorker] = []
+        self.down_until: dict[int, float] = {}
+        self.figures = Figures(tasks=args.tasks, workers=args.workers)
+        self.plan: list[tuple[str, str, tuple[Any, ...]]] = []  # (task_id, kind, args)
+        self.sent = 0
+        self.send_error: BaseException | None = None
+        self.store: Store | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        settings = dict(WORKER_SETTINGS)
+        if self.args.no_durable_submit:
+            settings["resilient_durable_submit"] = False
+        if self.args.visibility_timeout:
+            settings["broker_transport_options"] = {
+                "visibility_timeout": self.args.visibility_timeout,
+                "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+        return {
+            "CHAOS_BROKER": self.redis.url, "CHAOS_STORE_URL": self.pg.url,
+            "CHAOS_TABLE_PREFIX": PREFIX, "CHAOS_QUEUE": self.queue,
+            "CHAOS_EXTRA": json.dumps(settings),
+            "RESILIENT_EFFECT_LOG": str(self.effects.path),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+
+    def setup(self) -> None:
+        self.redis.start()
+        self.pg.init().start()
+        self.store = Store(self.pg.url, PREFIX)
+        self.store.migrate()
+        chaosproj.applied_table(PREFIX).create(self.store.engine)
+        for i in range(self.args.tasks):
+            kind = self.rng.choices([k for k, _ in MIX], [w for _, w in MIX])[0]
+            if kind == "long":
+                a: tuple[Any, ...] = (self.rng.randint(20, 60), 0.05)
+            elif kind == "short":
+                a = (i, round(self.rng.uniform(0.01, 0.05), 3))
+            elif kind == "steps":
+                a = (0.03,)
+            else:
+                a = (0.02,)
+            self.plan.append((f"chaos-{i:05d}-{kind}", kind, a))
+        for i in range(self.args.workers):
+            worker = LocalWorker(APP, self.dir / "logs", name=f"w{i}",
+                                 concurrency=self.args.concurrency, queues=(self.queue,),
+                                 env=self.env(), cwd=str(ROOT))
+            self.workers.append(worker.start())
+        log(f"{self.args.workers} workers up; broker {self.redis.url}, store "
+            f"127.0.0.1:{self.pg.port}, logs in {self.dir}")
+
+    # -- submission (own thread, own client) ------------------------------------------------
+
+    def submit(self, chaos_seconds: float) -> None:
+        client = chaosproj.create_app({**self.env(), "RESILIENT_EFFECT_LOG": os.devnull})
+        start = time.monotonic()
+        try:
+            for n, (task_id, kind, a) in enumerate(self.plan):
+                due = start + chaos_seconds * 0.9 * n / max(1, len(self.plan))
+                if due > time.monotonic():
+                    time.sleep(due - time.monotonic())  # pacing, not waiting on a condition
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        client.send_task(f"chaos.{kind}", args=a, task_id=task_id,
+                                         queue=self.queue, retry=False)
+                        break
+                    except Exception as exc:  # broker restarting: publish again
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"could not publish {task_id}: {exc}") from exc
+                        time.sleep(0.2)
+                self.sent = n + 1
+        except BaseException as exc:
+            self.send_error = exc
+        finally:
+            client.close()
+
+    # -- chaos -------------------------------------------------------------------------------
+
+    def running_on(self, worker: LocalWorker, pid: int | None = None) -> int:
+        """How many claims the store shows running on this worker (or pool process)."""
+        assert self.store is not None
+        w = self.store.t.work
+        q = select(w.c.work_key).where(w.c.state == "running",
+                                       w.c.owner_node == worker.hostname())
+        if pid is not None:
+            q = q.where(w.c.owner_pid == pid)
+        try:
+            with self.store.engine.connect() as conn:
+                n = len(conn.execute(q).all())
+                conn.rollback()
+        except Exception:  # the store may be the thing restarting
+            return 0
+        return n
+
+    def kill_one(self) -> None:
+        up = [i for i, w in enumerate(self.workers) if w.process.status == "running"]
+        if not up:
+            return
+        i = self.rng.choice(up)
+        worker = self.workers[i]
+        if self.rng.random() < 0.3:
+            children = worker.process.children()
+            if children:
+                pid = self.rng.choice(children)
+                busy = self.running_on(worker, pid)
+                worker.kill_pool_child(pid)
+                self.figures.kills_child += 1
+                self.figures.kills_mid_task += bool(busy)
+                log(f"SIGKILL pool child of w{i} ({busy} task(s) running in it)")
+                return
+        busy = self.running_on(worker)
+        worker.kill("SIGKILL")
+        self.figures.kills_group += 1
+        self.figures.kills_mid_task += bool(busy)
+        log(f"  w{i} had {busy} task(s) running")
+        if self.rng.random() < 0.25 and len(up) > 1:
+            pause = WORKER_SETTINGS["resilient_lease_seconds"] + 2
+            self.down_until[i] = time.monotonic() + pause
+            self.figures.delayed_restarts += 1
+            log(f"SIGKILL w{i} (group); restart in {pause}s (others take over its claims)")
+            return
+        log(f"SIGKILL w{i} (group); restart now")
+        self.restart(i)
+
+    def restart(self, i: int) -> None:
+        self.down_until.pop(i, None)
+        worker = self.workers[i]
+        for attempt in range(5):
+            try:
+                worker.restart()
+                return
+            except (RuntimeError, TimeoutError) as exc:
+                log(f"w{i} failed to start (attempt {attempt + 1}): {str(exc)[-300:]}")
+                worker.process.kill("SIGKILL")
+        raise RuntimeError(f"worker w{i} does not start")
+
+    def restart_due(self) -> None:
+        """Restart paused workers whose time came, and (as a supervisor would) any that exited."""
+        now = time.monotonic()
+        for i, until in list(self.down_until.items()):
+            if until <= now:
+                self.restart(i)
+        for i, worker in enumerate(self.workers):
+            if i not in self.down_until and worker.process.status == "exited":
+                self.figures.unplanned_exits += 1
+                tail = worker.process.logs().strip().splitlines()[-1:] or ["(no log)"]
+                log(f"w{i} exited on its own; supervisor restarts it. Last line: {tail[0][:200]}")
+                self.restart(i)
+
+    def restart_redis(self) -> None:
+        log("SIGKILL redis-server; restarting it")
+        self.redis.kill()
+        self.redis.start()
+        self.figures.redis_restarts += 1
+
+    def restart_pg(self) -> None:
+        log("stopping PostgreSQL (-m immediate)")
+        self.pg.stop_immediately()
+        try:
+            wait_for(lambda: any("store unavailable" in w.process.logs() or
+                                 "maintenance round failed" in w.process.logs()
+                                 for w in self.workers), 10, "a worker to notice the outage")
+        except TimeoutError:
+            log("no worker logged the outage within 10s")
+        self.pg.start()
+        self.figures.pg_restarts += 1
+        log("PostgreSQL is back")
+
+    def run_chaos(self) -> None:
+        a = self.args
+        chaos_seconds = a.chaos_seconds or max(30.0, a.kills * 4.0)
+        sender = threading.Thread(target=self.submit, args=(chaos_seconds,), daemon=True)
+        start = time.monotonic()
+        sender.start()
+        events: list[tuple[float, str]] = sorted(
+            [(self.rng.uniform(0.05, 0.95) * chaos_seconds, "kill") for _ in range(a.kills)]
+            + [((0.35 + 0.1 * n) * chaos_seconds, "redis") for n in range(a.redis_restarts)]
+            + [((0.65 + 0.1 * n) * chaos_seconds, "pg") for n in range(a.pg_restarts)])
+        for at, what in events:
+            while time.monotonic() - start < at:
+                self.restart_due()
+                self.check_deadline()
+                time.sleep(0.05)  # the chaos clock
+            {"kill": self.kill_one, "redis": self.restart_redis, "pg": self.restart_pg}[what]()
+        sender.join(timeout=max(1.0, self.deadline - time.monotonic()))
+        if self.send_error is not None:
+            raise RuntimeError(f"submission failed: {self.send_error}")
+        if sender.is_alive():
+            raise TimeoutError("submission did not finish before the deadline")
+        for i in list(self.down_until):
+            self.restart(i)
+        self.figures.chaos_seconds = round(time.monotonic() - start, 1)
+
+    def check_deadline(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(f"--seconds {self.args.seconds} exceeded")
+
+    def states(self) -> dict[str, int]:
+        assert self.store is not None
+        try:
+            return self.store.count_by_state()
+        except ResilientError:
+            return {}
+
+    def drain(self) -> bool:
+        start = time.monotonic()
+        last = 0.0
+        while time.monotonic() < self.deadline:
+            states = self.states()
+            if states.get("done", 0) == self.args.tasks:
+                self.figures.drain_seconds = round(time.monotonic() - start, 1)
+                return True
+            self.restart_due()
+            if time.monotonic() - last > 10:
+                log(f"draining: {states}")
+                last = time.monotonic()
+            time.sleep(0.2)
+        self.figures.drain_seconds = round(time.monotonic() - start, 1)
+        return False
+
+    # -- invariants --------------------------------------------------------------------------
+
+    def check(self) -> list[str]:
+        assert self.store is not None
+        store, f = self.store, self.figures
+        bad: list[str] = []
+        t = store.t
+        with store.engine.connect() as conn:
+            work = {r.work_key: r for r in conn.execute(select(t.work)).all()}
+            steps = {(r.work_key, r.name): codec.decode(r.result_json)
+                     for r in conn.execute(select(t.steps)).all()}
+            ledger = {r.key: r for r in conn.execute(select(t.ledger)).all()}
+            checkpoints = {r.work_key: (codec.decode(r.state_json), int(r.seq))
+                           for r in conn.execute(select(t.checkpoints)).all()}
+            applied_t = chaosproj.applied_table(PREFIX)
+            applied: dict[str, list[int]] = defaultdict(list)
+            for r in conn.execute(select(applied_t.c.work_key, applied_t.c.epoch)).all():
+                applied[r.work_key].append(int(r.epoch))
+            conn.rollback()
+        by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for entry in self.effects.entries():
+            by_key[entry["key"]].append(entry)
+        planned = {task_id: (kind, a) for task_id, kind, a in self.plan}
+
+        # 1. every task done, nothing else in the store
+        for key, row in work.items():
+            if key not in planned:
+                bad.append(f"unexpected work row {key} ({row.state})")
+        for key in planned:
+            row = work.get(key)
+            if row is None or row.state != "done":
+                bad.append(f"{key}: not done ({row.state if row else 'no row'})")
+        open_rows = [k for k, r in work.items() if r.state != "done"]
+        if open_rows:
+            bad.append(f"{len(open_rows)} work rows not done (claimed, failed or dead): "
+                       f"{open_rows[:10]}")
+        f.deaths = sum(int(r.deaths) for r in work.values())
+        f.republished = sum(int(r.republished) for r in work.values())
+        f.by_kind = {k: sum(1 for _, kind, _ in self.plan if kind == k) for k, _ in MIX}
+
+        for key, (kind, a) in planned.items():
+            row = work.get(key)
+            if row is not None and row.state == "done":
+                bad += self._check_work(key, kind, a, row, by_key.get(key, []), steps, ledger,
+                                        checkpoints, applied)
+        return bad
+
+    def _check_work(self, key: str, kind: str, a: tuple[Any, ...], row: Any,
+                    entries: list[dict[str, Any]], steps: dict[tuple[str, str], Any],
+                    ledger: dict[str, Any], checkpoints: dict[str, tuple[Any, int]],
+                    applied: dict[str, list[int]]) -> list[str]:
+        bad: list[str] = []
+        f = self.figures
+        final = int(row.epoch)
+        # 6. nothing ran after done; the finishing epoch recorded its effects
+        late = [e for e in entries if int(e["epoch"]) > final]
+        if late:
+            bad.append(f"{key}: effects from epochs after the final epoch {final}: {late[:3]}")
+        if kind in ("long", "short") and not any(int(e["epoch"]) == final for e in entries):
+            bad.append(f"{key}: the finishing epoch {final} recorded no effect")
+        if kind == "long":
+            bad += self._check_long(key, a[0], entries, row, steps, ledger, checkpoints)
+        elif kind == "short":
+            epochs = [int(e["epoch"]) for e in entries if e["effect"] == "short"]
+            if not epochs or len(epochs) != len(set(epochs)):
+                bad.append(f"{key}: short effect epochs {epochs} (missing or repeated "
+                           "within one execution)")
+            f.short_repeated += max(0, len(epochs) - 1)
+            if codec.decode(row.result_json) != a[0] * 2:
+                bad.append(f"{key}: result {row.result_json!r}")
+        elif kind == "steps":
+            results = []
+            for name in ("a", "b", "c"):
+                results.append(steps.get((key, name)))
+                bad += self._check_once(key, f"step {name}", steps.get((key, name)),
+                                        [e for e in entries if e["effect"] == "step"
+                                         and e.get("step") == name], "step")
+            if codec.decode(row.result_json) != results:
+                bad.append(f"{key}: result {row.result_json!r} is not the stored steps "
+                           f"{results}")
+        else:
+            rows = applied.get(key, [])
+            marker = ledger.get(f"{key}:atomic")
+            if len(rows) != 1:
+                bad.append(f"{key}: ledger.atomic write applied {len(rows)} times {rows}")
+            elif marker is None or codec.decode(marker.result_json) != rows[0]:
+                bad.append(f"{key}: atomic marker {marker and marker.result_json} does not "
+                           f"match the write of epoch {rows[0]}")
+        return bad
+
+    def _check_once(self, key: str, what: str, stored: Any, lines: list[dict[str, Any]],
+                    counter: str) -> list[str]:
+        epochs = [int(e["epoch"]) for e in lines]
+        bad: list[str] = []
+        if stored is None:
+            return [f"{key}: {what} has no stored result"]
+        if stored not in epochs:
+            bad.append(f"{key}: {what} stored epoch {stored} but its effect was never recorded "
+                       f"(recorded: {epochs})")
+        if len(epochs) != len(set(epochs)):
+            bad.append(f"{key}: {what} effect ran twice in one execution: {epochs}")
+        after = [e for e in epochs if e > stored]
+        if after:
+            bad.append(f"{key}: {what} effect ran again after its marker was stored "
+                       f"(stored by epoch {stored}, re-run by {after})")
+        repeats = max(0, len(epochs) - 1)
+        if counter == "step":
+            self.figures.step_effects_repeated += repeats
+        else:
+            self.figures.ledger_effects_repeated += repeats
+        return bad
+
+    def _check_long(self, key: str, rows: int, entries: list[dict[str, Any]], row: Any,
+                    steps: dict[tuple[str, str], Any], ledger: dict[str, Any],
+                    checkpoints: dict[str, tuple[Any, int]]) -> list[str]:
+        bad: list[str] = []
+        starts = [e for e in entries if e["effect"] == "start"]
+        if len(starts) > 1:
+            self.figures.resumed_long += 1
+        # 4. checkpoints never go backwards
+        last_row, last_seq = 0, 0
+        for e in entries:
+            if e["effect"] == "start" and int(e["row"]) < last_row:
+                bad.append(f"{key}: epoch {e['epoch']} resumed at row {e['row']}, behind the "
+                           f"logged checkpoint {last_row}")
+            if e["effect"] == "cp":
+                if int(e["seq"]) <= last_seq or int(e["row"]) <= last_row:
+                    bad.append(f"{key}: checkpoint went backwards: seq {e['seq']} row "
+                               f"{e['row']} after seq {last_seq} row {last_row}")
+                last_row, last_seq = int(e["row"]), int(e["seq"])
+        final = checkpoints.get(key)
+        if final is None or final[0] != {"row": rows} or final[1] < last_seq:
+            bad.append(f"{key}: final checkpoint {final} (expected row {rows}, seq >= {last_seq})")
+        # 5. rows
+        by_epoch: dict[int, list[int]] = defaultdict(list)
+        for e in entries:
+            if e["effect"] == "row":
+                by_epoch[int(e["epoch"])].append(int(e["row"]))
+        ran = {r for rs in by_epoch.values() for r in rs}
+        if ran != set(range(rows)):
+            bad.append(f"{key}: rows never run: {sorted(set(range(rows)) - ran)}")
+        for epoch, rs in by_epoch.items():
+            if len(rs) != len(set(rs)):
+                bad.append(f"{key}: a row ran twice in epoch {epoch}: {rs}")
+        ordered = sorted((int(s["epoch"]), int(s["row"])) for s in starts)
+        for (e1, s1), (e2, s2) in itertools.pairwise(ordered):
+            done = by_epoch.get(e1, [])
+            allowed = {max(done), max(done) + 1} if done else {s1}
+            if s2 not in allowed:
+                bad.append(f"{key}: epoch {e2} resumed at row {s2} after epoch {e1} ran rows "
+                           f"{s1}..{max(done) if done else '-'} (allowed: {sorted(allowed)})")
+        self.figures.rows_repeated += sum(len(rs) for rs in by_epoch.values()) - len(ran)
+        # 2. the step and the ledger effect
+        step_lines = [e for e in entries if e["effect"] == "step"]
+        bad += self._check_once(key, "step finish", steps.get((key, "finish")), step_lines,
+                                "step")
+        marker = ledger.get(f"charge:{key}")
+        stored = codec.decode(marker.result_json) if marker is not None else None
+        bad += self._check_once(key, "ledger charge", stored,
+                                [e for e in entries if e["effect"] == "ledger"], "ledger")
+        result = codec.decode(row.result_json)
+        expected = {"rows": rows, "step": steps.get((key, "finish")), "ledger": stored}
+        if result != expected:
+            bad.append(f"{key}: result {result} != {expected}")
+        return bad
+
+    # -- main --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        begin = time.monotonic()
+        self.deadline = begin + self.args.seconds
+        code = 0
+        try:
+            self.setup()
+            self.run_chaos()
+            log(f"chaos phase over ({self.figures.chaos_seconds}s); draining")
+            if not self.drain():
+                self.figures.violations.append(
+                    f"not every task finished within --seconds {self.args.seconds}: "
+                    f"{self.states()}")
+                code = 2
+            self.figures.violations += self.check()
+        except TimeoutError as exc:
+            self.figures.violations.append(f"deadline: {exc}")
+            code = 2
+        finally:
+            self.figures.total_seconds = round(time.monotonic() - begin, 1)
+            for w in self.workers:
+                w.process.teardown()
+            if self.store is not None:
+                self.store.dispose()
+            self.redis.destroy()
+            self.pg.destroy()
+        if self.figures.violations and code == 0:
+            code = 1
+        self.report(code)
+        if code == 0 and not self.args.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return code
+
+    def report(self, code: int) -> None:
+        f = self.figures
+        print(f"CHAOS-SUMMARY {json.dumps(asdict(f), sort_keys=True)}", flush=True)
+        print(f"\n{f.tasks} tasks {f.by_kind} on {f.workers} workers x {self.args.concurrency}"
+              f": {f.kills_group} group SIGKILLs ({f.delayed_restarts} restarted after the "
+              f"lease), {f.kills_child} pool-child SIGKILLs, {f.redis_restarts} Redis and "
+              f"{f.pg_restarts} PostgreSQL restarts; {f.kills_mid_task} kills hit running work")
+        if f.unplanned_exits:
+            print(f"{f.unplanned_exits} worker exit(s) nobody asked for (restarted as a "
+                  "supervisor would; see docs/reliability.md)")
+        print(f"chaos {f.chaos_seconds}s, drain {f.drain_seconds}s, total {f.total_seconds}s; "
+              f"deaths {f.deaths}, re-published {f.republished}, long tasks resumed "
+              f"{f.resumed_long}")
+        print(f"outside-store repeats (allowed: the in-flight effect of a killed execution): "
+              f"rows {f.rows_repeated}, short {f.short_repeated}, step effects "
+              f"{f.step_effects_repeated}, ledger effects {f.ledger_effects_repeated}")
+        if f.violations:
+            print(f"\n{len(f.violations)} INVARIANT VIOLATION(S) (logs kept in {self.dir}):")
+            for v in f.violations[:50]:
+                print(f"  - {v}")
+        else:
+            print("all invariants hold")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--tasks", type=int, default=10_000)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=2, help="pool processes per worker")
+    p.add_argument("--kills", type=int, default=100)
+    p.add_argument("--seconds", type=float, default=1800, help="hard deadline for the run")
+    p.add_argument("--chaos-seconds", type=float, default=0,
+                   help="length of the chaos phase (default: 4 s per kill, at least 30 s)")
+    p.add_argument("--redis-restarts", type=int, default=1)
+    p.add_argument("--pg-restarts", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--keep", action="store_true", help="keep logs and effect log")
+    p.add_argument("--visibility-timeout", type=float, default=0,
+                   help="Redis visibility_timeout for the workers (default: Redis's 3600 s). "
+                   "A message a worker fetched while the store was down and never recorded "
+                   "(the worker was killed before the store came back) returns only then")
+    p.add_argument("--no-durable-submit", action="store_true",
+                   help="without resilient_durable_submit: a message a worker fetched but "
+                   "never recorded waits for the broker's own redelivery (Redis: 1 hour)")
+    args = p.parse_args(argv)
+    if args.seed is None:
+        args.seed = random.randrange(1_000_000)
+    log(f"seed {args.seed}")
+    return Chaos(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
