@@ -50,6 +50,7 @@ def executing_here(work_key: str) -> bool:
 
 
 def pid_alive(pid: int | None) -> bool:
+    """Whether ``pid`` is a running process on this host (a zombie awaiting reaping is not)."""
     if not pid:
         return False
     try:
@@ -58,4 +59,10 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return True  # no /proc: existence is all we know
+    state = stat[stat.rfind(")") + 2:].split()[:1]
+    return state not in (["Z"], ["X"])

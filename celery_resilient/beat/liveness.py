@@ -13,6 +13,8 @@ import socket
 import uuid
 from functools import lru_cache
 
+from ..identity import pid_alive
+
 SEP = "|"
 
 
@@ -41,21 +43,11 @@ def _start_time(pid: int) -> str | None:
     if not stat:
         if os.path.isdir("/proc/self"):
             return None
-        return "" if _pid_exists(pid) else None  # no /proc: only existence is known
+        return "" if pid_alive(pid) else None  # no /proc: only existence is known
     fields = stat[stat.rfind(")") + 2:].split()
     if fields and fields[0] in ("Z", "X"):
         return None  # a zombie waiting to be reaped is as dead as it gets
     return fields[19] if len(fields) > 19 else ""
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @lru_cache(maxsize=1)
