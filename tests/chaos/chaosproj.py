@@ -11,6 +11,7 @@ process that did it), independent of the store: the soak checks the store agains
   one ``ledger.once`` effect.
 - ``short``: one effect outside the store.
 - ``steps``: three steps, each with an effect outside the store.
+- ``poison`` (not in the soak's mix): kills its own process every time it runs.
 - ``atomic``: a write of its own to the store's database inside ``ledger.atomic()``: the
   table ``<prefix>chaos_applied`` (no unique key, so a double write would show).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -94,6 +96,12 @@ def create_app(env: Mapping[str, str]) -> Celery:
                 tx.execute(applied.insert().values(work_key=key, epoch=epoch))
                 tx.result = epoch
         return "ok"
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="chaos.poison")
+    def poison(self: ResumableTask) -> None:
+        """A poison message: SIGKILLs the process running it, every time."""
+        effects.record("poison", key=self.work_key, epoch=self.fencing_token)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     return app
 

@@ -1,0 +1,152 @@
+"""Bad input that needs a real worker: a poison message, a store missing at startup, kill points.
+
+Workers run ``tests/chaos/chaosproj.py`` (configured by environment) in their own process group.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from celery_resilient.store.sql import Store
+from celery_resilient.testing import EffectLog, wait_for
+from celery_resilient.testing.nodes import LocalWorker
+from celery_resilient.testing.plugin import NodeFactory
+
+APP = "tests.chaos.chaosproj"
+
+
+class Env:
+    def __init__(self, nodes: NodeFactory, broker: str, store_url: str, prefix: str,
+                 queue: str) -> None:
+        self.nodes, self.broker, self.store_url = nodes, broker, store_url
+        self.prefix, self.queue = prefix, queue
+        self.store = Store(store_url, prefix)
+        self.extra: dict[str, object] = {}
+        self._client: Celery | None = None
+
+    def env(self, **more: str) -> dict[str, str]:
+        return {"CHAOS_BROKER": self.broker, "CHAOS_STORE_URL": self.store_url,
+                "CHAOS_TABLE_PREFIX": self.prefix, "CHAOS_QUEUE": self.queue,
+                "CHAOS_EXTRA": json.dumps(self.extra), **more}
+
+    def worker(self, start: bool = True, **more: str) -> LocalWorker:
+        return self.nodes.worker(APP, queues=(self.queue,), env=self.env(**more), start=start)
+
+    def send(self, task: str, *args: object, task_id: str) -> str:
+        if self._client is None:
+            self._client = Celery("poison-client", broker=self.broker, set_as_current=False)
+        self._client.send_task(f"chaos.{task}", args=args, task_id=task_id, queue=self.queue)
+        return task_id
+
+    def state(self, key: str) -> str | None:
+        row = self.store.get_work(key)
+        return None if row is None else row.state
+
+    def close(self) -> None:
+        self.store.dispose()
+        if self._client is not None:
+            self._client.close()
+
+
+@pytest.fixture
+def make_env(resilient_nodes: NodeFactory, pg_url: str, table_prefix: str,
+             queue_name: str) -> Iterator[Callable[..., Env]]:
+    made: list[Env] = []
+
+    def make(broker: str, store_url: str | None = None) -> Env:
+        env = Env(resilient_nodes, broker, store_url or pg_url, table_prefix, queue_name)
+        made.append(env)
+        return env
+
+    yield make
+    for env in made:
+        env.close()
+
+
+def test_poison_message_is_parked_dead_and_the_worker_survives(
+        make_env: Callable[..., Env], redis_url: str, effect_log: EffectLog) -> None:
+    env = make_env(redis_url)
+    env.store.migrate()
+    env.extra = {"resilient_max_attempts": 3}
+    worker = env.worker()
+    key = env.send("poison", task_id="poison-1")
+    wait_for(lambda: env.state(key) == "dead", 90, "the poison message to be parked as dead")
+    row = env.store.get_work(key)
+    assert row is not None and row.deaths == 3
+    assert row.error is not None and "resilient_max_attempts=3" in row.error
+    runs = [e for e in effect_log.entries() if e["effect"] == "poison"]
+    assert len(runs) == 3, f"ran {len(runs)} times, expected max_attempts=3: {runs}"
+    assert sorted(e["epoch"] for e in runs) == [1, 2, 3]
+    assert worker.process.status == "running", "the poison message took the worker down"
+    wait_for(lambda: "is dead" in worker.process.logs(), 30, "the dead delivery to be refused")
+    # The worker still works, and a fresh delivery of the dead work runs nothing.
+    after = env.send("short", 21, 0.0, task_id="after-poison")
+    env.send("poison", task_id="poison-1")
+    wait_for(lambda: env.state(after) == "done", 30, "a normal task after the poison message")
+    wait_for(lambda: worker.process.logs().count("is dead") >= 2, 30,
+             "the second delivery of the dead work to be refused")
+    assert len([e for e in effect_log.entries() if e["effect"] == "poison"]) == 3
+    assert worker.process.status == "running"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("problem", ["unreachable", "schema-missing", "bad-driver"])
+def test_worker_with_a_bad_store_fails_at_startup_with_a_clear_error(
+        make_env: Callable[..., Env], redis_url: str, pg_url: str, problem: str) -> None:
+    urls = {"unreachable": f"postgresql+psycopg://postgres@127.0.0.1:{_closed_port()}/test",
+            "schema-missing": pg_url,
+            "bad-driver": "postgresql+nosuchdriver://127.0.0.1/test"}
+    expected = {"unreachable": "store unreachable", "schema-missing": "schema (tables",
+                "bad-driver": "names a database driver that is not installed"}
+    env = make_env(redis_url, urls[problem])  # never migrated: its tables do not exist
+    worker = env.worker(start=False)
+    worker.process.start(wait=False)
+    wait_for(lambda: worker.process.status == "exited", 60, "the worker to give up at startup")
+    logs = worker.process.logs()
+    assert expected[problem] in logs, logs[-3000:]
+    assert " ready." not in logs, "the worker started consuming without its store"
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_kill_points_after_effect_and_before_ack(make_env: Callable[..., Env], broker: str,
+                                                 redis_url: str, amqp_url: str,
+                                                 tmp_path: Path, effect_log: EffectLog) -> None:
+    """RESILIENT_KILL_AT: the whole worker dies right after a step's effect (before its marker),
+    then right after a task's result commits (before the broker ack)."""
+    env = make_env(redis_url if broker == "redis" else amqp_url)
+    env.store.migrate()
+    once = tmp_path / "killed-after-effect"
+    worker = env.worker(RESILIENT_KILL_AT="after_effect:2", RESILIENT_KILL_ONCE=str(once))
+    key = env.send("steps", 0.0, task_id="kp-steps")
+    wait_for(lambda: worker.process.status == "exited", 60, "the kill point to fire")
+    assert once.read_text().startswith("after_effect:2")
+    worker.restart()
+    wait_for(lambda: env.state(key) == "done", 60, "the steps task to finish after the kill")
+    steps = [(e["step"], e["epoch"]) for e in effect_log.entries() if e["effect"] == "step"]
+    # step a: once; step b: its effect ran, its marker did not commit: run again by epoch 2
+    assert steps == [("a", 1), ("b", 1), ("b", 2), ("c", 2)], steps
+    worker.kill("SIGKILL")
+
+    acked = tmp_path / "killed-before-ack"
+    worker = env.worker(RESILIENT_KILL_AT="before_ack", RESILIENT_KILL_ONCE=str(acked))
+    short = env.send("short", 4, 0.0, task_id="kp-short")
+    wait_for(lambda: worker.process.status == "exited", 60, "the before_ack kill point")
+    assert env.state(short) == "done"
+    worker.restart()
+    if broker == "rabbitmq":  # RabbitMQ redelivers the unacked message at once
+        wait_for(lambda: "already done" in worker.process.logs(), 30,
+                 "the redelivered message to be answered from the store")
+    assert [e for e in effect_log.entries() if e["effect"] == "short"] == [
+        {"effect": "short", "key": short, "epoch": 1,
+         "pid": next(e["pid"] for e in effect_log.entries() if e["effect"] == "short")}]
