@@ -8,10 +8,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
+
+from celery_resilient.testing.waiting import wait_for as _wait_for
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -20,14 +21,8 @@ T = TypeVar("T")
 
 def wait_for(condition: Callable[[], T], timeout: float, what: str,
              interval: float = 0.005) -> T:
-    deadline = time.monotonic() + timeout
-    value = condition()
-    while not value:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-        value = condition()
-    return value
+    """The library's wait with a deadline, polling fast (drain detection times the run)."""
+    return _wait_for(condition, timeout, what, interval)
 
 
 class Worker:

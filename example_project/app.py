@@ -18,8 +18,7 @@ from typing import Any
 from celery import Celery
 
 from celery_resilient import Resilient, ResumableTask
-
-from .effects import EffectLog
+from celery_resilient.testing.effects import EffectLog
 
 app = Celery("example_project",
              broker=os.environ.get("EXAMPLE_BROKER_URL", "redis://127.0.0.1:6379/0"))

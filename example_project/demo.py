@@ -31,7 +31,9 @@ import redis
 from celery import Celery
 
 from celery_resilient.store.sql import Store
-from example_project.effects import EffectLog
+from celery_resilient.testing.effects import EffectLog
+from celery_resilient.testing.waiting import WaitTimeout
+from celery_resilient.testing.waiting import wait_for as _wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "example_project.app.import_rows"
@@ -45,15 +47,11 @@ class DemoFailed(Exception):
 
 def wait_for(condition: Callable[[], T], timeout: float, what: str,
              interval: float = 0.05) -> T:
-    """Poll ``condition`` until it returns something truthy, or fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    value = condition()
-    while not value:
-        if time.monotonic() > deadline:
-            raise DemoFailed(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-        value = condition()
-    return value
+    """The library's wait with a deadline; a timeout is a fact the demo promised that failed."""
+    try:
+        return _wait_for(condition, timeout, what, interval)
+    except WaitTimeout as exc:
+        raise DemoFailed(str(exc)) from None
 
 
 # -- Redis: the machine's, or one of our own -------------------------------------------------

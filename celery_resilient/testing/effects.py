@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ class EffectLog:
         self.path = Path(path)
 
     def record(self, name: str, **details: Any) -> None:
-        line = json.dumps({"effect": name, "pid": os.getpid(), **details}, default=str) + "\n"
+        entry = {"effect": name, "pid": os.getpid(), "ts": time.time(), **details}
+        line = json.dumps(entry, default=str) + "\n"
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, line.encode())
@@ -26,11 +28,13 @@ class EffectLog:
         finally:
             os.close(fd)
 
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Every recorded effect in order (only those called ``name`` when given)."""
         if not self.path.exists():
             return []
         with self.path.open() as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+            found = [json.loads(line) for line in fh if line.strip()]
+        return found if name is None else [e for e in found if e["effect"] == name]
 
     def counts(self) -> Counter[str]:
         return Counter(e["effect"] for e in self.entries())
