@@ -1,0 +1,57 @@
+"""Startup warnings for time limits the broker will not tolerate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from celery_resilient import ResumableTask
+from celery_resilient.checks import time_limit_warnings
+
+
+def _app(broker: str, **conf: Any) -> Celery:
+    app = Celery("checks", broker=broker, set_as_current=False)
+    app.conf.update(conf)
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="checks.long", time_limit=7200)
+    def long(self: ResumableTask) -> None:
+        """Never run."""
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="checks.short", time_limit=60)
+    def short(self: ResumableTask) -> None:
+        """Never run."""
+
+    @app.task(shared=False, name="checks.plain", time_limit=99999)
+    def plain() -> None:
+        """Not resumable: not our business."""
+
+    return app
+
+
+def test_redis_visibility_timeout_shorter_than_a_time_limit_is_named() -> None:
+    warnings = time_limit_warnings(_app("redis://127.0.0.1:6379/0"))
+    assert len(warnings) == 1
+    assert "checks.long" in warnings[0] and "visibility_timeout" in warnings[0]
+
+
+def test_raised_visibility_timeout_silences_the_warning() -> None:
+    app = _app("redis://127.0.0.1:6379/0",
+               broker_transport_options={"visibility_timeout": 10_000})
+    assert time_limit_warnings(app) == []
+
+
+def test_rabbitmq_consumer_timeout_is_named() -> None:
+    warnings = time_limit_warnings(_app("amqp://guest@127.0.0.1//"))
+    assert len(warnings) == 1 and "consumer_timeout" in warnings[0]
+
+
+def test_global_time_limit_counts_too() -> None:
+    app = Celery("checks-global", broker="redis://127.0.0.1:6379/0", set_as_current=False)
+    app.conf.task_time_limit = 5000
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="checks.nolimit")
+    def nolimit(self: ResumableTask) -> None:
+        """Never run."""
+
+    assert any("checks.nolimit" in w for w in time_limit_warnings(app))
