@@ -79,7 +79,7 @@ WORKER_SETTINGS = {
     "resilient_lease_seconds": 6, "resilient_heartbeat_interval": 1,
     "resilient_sweep_interval": 1, "resilient_max_attempts": 1000,
     "resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2,
-    "resilient_durable_submit": True, "resilient_submit_timeout": 10,
+    "resilient_durable_submit": True, "resilient_submit_timeout": 30,
 }
 
 
