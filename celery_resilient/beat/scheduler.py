@@ -28,7 +28,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime, tzinfo
+from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
 from celery import Celery
@@ -213,6 +213,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             options = spec.get("options") if isinstance(spec, dict) else None
             try:
                 self.default_policy.for_options(options, name)
+                _check_interval(name, spec.get("schedule") if isinstance(spec, dict) else None)
             except ScheduleError as exc:
                 raise ConfigurationError(str(exc)) from None
         self._statics = set(schedule)
@@ -610,6 +611,15 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
     def _may_resend(self, row: Run, db_now: float) -> bool:
         return (row.owner == self.identity or liveness.is_dead(row.owner)
                 or db_now - row.claimed_at > STALE_CLAIM_SECONDS)
+
+
+def _check_interval(name: str, sched: Any) -> None:
+    """An interval schedule must repeat after a positive time (0 would fire forever)."""
+    every = getattr(sched, "run_every", sched)
+    seconds = every.total_seconds() if isinstance(every, timedelta) else every
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds <= 0:
+        raise ScheduleError(f"beat entry {name!r}: schedule {sched!r} is invalid: an interval "
+                            "schedule must repeat after a positive number of seconds")
 
 
 def _iso(slot: int, tz: tzinfo | None) -> str:

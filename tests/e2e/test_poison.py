@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 
 from celery_resilient.store.sql import Store
@@ -150,3 +151,35 @@ def test_kill_points_after_effect_and_before_ack(make_env: Callable[..., Env], b
     assert [e for e in effect_log.entries() if e["effect"] == "short"] == [
         {"effect": "short", "key": short, "epoch": 1,
          "pid": next(e["pid"] for e in effect_log.entries() if e["effect"] == "short")}]
+
+
+@pytest.mark.parametrize("every", [0, -5])
+def test_beat_with_a_non_positive_interval_fails_at_startup_naming_the_entry(
+        resilient_nodes: NodeFactory, redis_url: str, pg_url: str, table_prefix: str,
+        queue_name: str, effect_log: EffectLog, every: int) -> None:
+    store = Store(pg_url, table_prefix)
+    store.migrate()
+    prefix = f"rb-bad-{table_prefix}:"
+    beat = resilient_nodes.beat(
+        "tests.e2e.beatproj", scheduler="celery_resilient.beat:ResilientScheduler", start=False,
+        env={"RESILIENT_BROKER": redis_url, "RESILIENT_STORE_URL": pg_url,
+             "RESILIENT_TABLE_PREFIX": table_prefix, "RESILIENT_QUEUE": queue_name,
+             "RESILIENT_BEAT_PREFIX": prefix,
+             "RESILIENT_BEAT_SCHEDULE": json.dumps({"ok": {"every": 1},
+                                                    "broken": {"every": every}})})
+    try:
+        beat.process.start(wait=False)
+        wait_for(lambda: beat.process.status == "exited", 60, "beat to refuse its schedule")
+        logs = beat.process.logs()
+        assert "beat entry 'broken'" in logs and "positive number of seconds" in logs, logs[-3000:]
+        assert effect_log.entries() == []  # not even the valid entry was sent
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql(
+                f"SELECT count(*) FROM {table_prefix}schedule_runs").scalar_one() == 0
+    finally:
+        store.dispose()
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()

@@ -20,7 +20,7 @@ Cases and where they are proven (no case is tested twice):
  12   invalid settings (every key, typos, unsupported dialect)    unit/test_config.py, here
  13   empty / blank / too-long / non-string ledger key            test_bad_input.py
  14   context write with a stale version                          test_context_store.py
- 15   beat entry with an invalid schedule or catch-up option      here
+ 15   beat entry with an invalid schedule or catch-up option      here, e2e/test_poison.py
  16   invalid step names, unserialisable step / ledger results    test_bad_input.py
  17   a claim whose pool process died is not kept alive           here
  18   malformed kill-point spec (RESILIENT_KILL_AT)               here
