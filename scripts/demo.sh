@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The README's first command: kill a worker with SIGKILL mid-task and watch the work resume.
-# Creates .venv-demo, installs the repo with the Redis extra, starts Redis on 127.0.0.1:6379
-# if nothing answers there, then runs example_project/demo.py (exit status = its verdict).
+# The README's first command: kill a worker with SIGKILL mid-task and watch the work resume;
+# then kill beat (missed slots caught up once) and lose a session's cache (context recovered).
+# Creates .venv-demo, installs the repo with the Redis and Flask extras, starts Redis on
+# 127.0.0.1:6379 if nothing answers there, then runs example_project/demo.py (exit status = its
+# verdict).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,10 +13,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "creating $VENV with $PY"
     "$PY" -m venv "$VENV"
 fi
-echo "installing celery-resilient[redis] into $VENV"
+echo "installing celery-resilient[redis,flask] into $VENV"
 # kombu[redis]: kombu 5.7's Redis transport imports `packaging`, which only kombu's own redis
 # extra pulls in (until the project's `redis` extra depends on celery[redis] itself).
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[redis]' 'kombu[redis]' \
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[redis,flask]' 'kombu[redis]' \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 
 redis_answers() {
