@@ -38,9 +38,10 @@ class Resilient:
         from .worker import ResilientWorkerStep
 
         app.steps["worker"].add(ResilientWorkerStep)
-        signals.task_received.connect(self._on_task_received, weak=False)
-        signals.before_task_publish.connect(self._on_before_publish, weak=False)
-        signals.worker_process_init.connect(self._on_process_init, weak=False)
+        # Weak receivers: the app holds this object, so they live exactly as long as the app.
+        signals.task_received.connect(self._on_task_received)
+        signals.before_task_publish.connect(self._on_before_publish)
+        signals.worker_process_init.connect(self._on_process_init)
 
     @classmethod
     def of(cls, app: Celery) -> Resilient:
