@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
@@ -80,6 +81,11 @@ def _connect_args(url: str) -> dict[str, Any]:
     return {}
 
 
+def _release(engine: Engine, owner_pid: int) -> None:
+    """Close an engine's pooled connections, only in the process that opened them."""
+    engine.dispose(close=os.getpid() == owner_pid)
+
+
 class EngineHolder:
     """Lazily built, fork-aware engine for one URL."""
 
@@ -98,6 +104,9 @@ class EngineHolder:
                         self._engine.dispose(close=False)  # inherited: leave parent's sockets
                     self._engine = build_engine(self.url)
                     self._pid = pid
+                    # A holder dropped without dispose() (a store that went out of scope)
+                    # still closes its connections, instead of leaving them to the GC.
+                    weakref.finalize(self, _release, self._engine, pid)
         return self._engine
 
     def dispose(self) -> None:
