@@ -38,15 +38,11 @@ written by the process that did it); any violation exits 1, a deadline overrun e
 from __future__ import annotations
 
 import argparse
-import glob
 import itertools
 import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -69,6 +65,9 @@ from celery_resilient.errors import ResilientError  # noqa: E402
 from celery_resilient.store.sql import Store  # noqa: E402
 from celery_resilient.testing import EffectLog  # noqa: E402
 from celery_resilient.testing.nodes import LocalWorker  # noqa: E402
+from celery_resilient.testing.services import ThrowawayPostgres, ThrowawayRedis  # noqa: E402
+from celery_resilient.testing.waiting import WaitTimeout  # noqa: E402
+from celery_resilient.testing.waiting import wait_for as _wait_for  # noqa: E402
 from tests.chaos import chaosproj  # noqa: E402
 
 T = TypeVar("T")
@@ -89,109 +88,11 @@ def log(message: str) -> None:
 
 def wait_for(condition: Callable[[], T], timeout: float, what: str,
              interval: float = 0.1) -> T:
-    deadline = time.monotonic() + timeout
-    value = condition()
-    while not value:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-        value = condition()
-    return value
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# -- throwaway services ----------------------------------------------------------------------
-
-
-def _pg_bin(name: str) -> str:
-    found = shutil.which(name) or next(iter(sorted(glob.glob(
-        f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
-    if found is None:
-        raise SystemExit(f"{name} not found: install the PostgreSQL server binaries")
-    return found
-
-
-class ThrowawayPostgres:
-    """A PostgreSQL cluster of our own under /tmp on a free port (run as postgres if root)."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="chaos-pg-", dir="/tmp"))
-        self.data = self.dir / "data"
-        self.port = free_port()
-        self.user = "postgres" if os.geteuid() == 0 else None
-        if self.user:
-            shutil.chown(self.dir, self.user)
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _run(self, *argv: str) -> None:
-        subprocess.run(argv, check=True, user=self.user, capture_output=True, timeout=120)
-
-    def init(self) -> ThrowawayPostgres:
-        self._run(_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                  "--no-sync", "-E", "UTF8")
-        return self
-
-    def start(self) -> None:
-        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "server.log"),
-                  "-w", "-t", "60", "-o",
-                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                  "-c max_connections=200", "start")
-
-    def stop_immediately(self) -> None:
-        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
-
-    def running(self) -> bool:
-        return subprocess.run([_pg_bin("pg_ctl"), "-D", str(self.data), "status"],
-                              check=False, user=self.user, capture_output=True).returncode == 0
-
-    def destroy(self) -> None:
-        if self.data.exists() and self.running():
-            self.stop_immediately()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class ThrowawayRedis:
-    """A redis-server of our own on a free port; AOF with fsync always, so a kill keeps data."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="chaos-redis-", dir="/tmp"))
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server not found")
-        with (self.dir / "server.log").open("ab") as out:
-            self.proc = subprocess.Popen(
-                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                 "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-                 "--protected-mode", "no"],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for(self._pings, 30, "the throwaway redis-server to accept connections")
-
-    def _pings(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def destroy(self) -> None:
-        self.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    """The library's wait; a deadline missed is a ``TimeoutError`` for the run's bookkeeping."""
+    try:
+        return _wait_for(condition, timeout, what, interval)
+    except WaitTimeout as exc:
+        raise TimeoutError(str(exc)) from None
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -228,8 +129,8 @@ class Chaos:
         self.rng = random.Random(args.seed)
         self.dir = Path(tempfile.mkdtemp(prefix="chaos-run-", dir="/tmp"))
         self.effects = EffectLog(self.dir / "effects.jsonl")
-        self.redis = ThrowawayRedis()
-        self.pg = ThrowawayPostgres()
+        self.redis = ThrowawayRedis(persistent=True)
+        self.pg = ThrowawayPostgres(max_connections=200)
         self.queue = f"chaos-{uuid.uuid4().hex[:8]}"
         self.workers: list[LocalWorker] = []
         self.down_until: dict[int, float] = {}

@@ -14,7 +14,8 @@ import redis
 from celery_resilient import codec
 from celery_resilient.store.contexts import ContextRows
 from celery_resilient.testing import EffectLog, LocalWorker, wait_for
-from tests.integration.test_context_store import RedisServer, drop_namespace
+from celery_resilient.testing.services import ThrowawayRedis
+from tests.integration.test_context_store import drop_namespace
 
 from .conftest import Project
 
@@ -70,10 +71,10 @@ def redis_project(make_project: Callable[..., Project], redis_url: str) -> Itera
 
 
 @pytest.fixture
-def cache_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path).start()
+def cache_server(tmp_path: Path) -> Iterator[ThrowawayRedis]:
+    server = ThrowawayRedis().start()
     yield server
-    server.stop()
+    server.destroy()
 
 
 def _recovered(worker: LocalWorker) -> bool:
@@ -102,7 +103,7 @@ def test_redis_flushed_between_two_tasks(redis_project: Project, effect_log: Eff
 
 
 def test_redis_restarted_between_two_tasks(make_project: Callable[..., Project],
-                                           redis_url: str, cache_server: RedisServer,
+                                           redis_url: str, cache_server: ThrowawayRedis,
                                            effect_log: EffectLog) -> None:
     project = make_project(redis_url)
     project.extra = {"resilient_context_cache_url": cache_server.url}
@@ -122,7 +123,7 @@ def test_redis_restarted_between_two_tasks(make_project: Callable[..., Project],
 
 
 def test_redis_stopped_tasks_keep_working_from_the_store(
-        make_project: Callable[..., Project], redis_url: str, cache_server: RedisServer,
+        make_project: Callable[..., Project], redis_url: str, cache_server: ThrowawayRedis,
         effect_log: EffectLog) -> None:
     project = make_project(redis_url)
     project.extra = {"resilient_context_cache_url": cache_server.url}

@@ -7,77 +7,21 @@ again once the worker has logged that it is retrying. The machine's own server i
 
 from __future__ import annotations
 
-import glob
-import os
 import re
-import shutil
-import socket
-import subprocess
-import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from celery_resilient import codec
 from celery_resilient.testing import EffectLog, wait_for
+from celery_resilient.testing.services import ThrowawayPostgres
 
 from .conftest import Project
 
 pytestmark = pytest.mark.e2e
 ROWS = 20
 DELAY = 0.15
-
-
-def _pg_bin(name: str) -> str:
-    found = shutil.which(name) or next(iter(sorted(glob.glob(
-        f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
-    if found is None:
-        pytest.fail(f"{name} not found: install PostgreSQL server binaries")  # never skip
-    return found
-
-
-class ThrowawayPostgres:
-    """A PostgreSQL cluster in a temporary directory, on a free port, owned by this test."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="resilient-pg-", dir="/tmp"))
-        self.data = self.dir / "data"
-        self.log = self.dir / "server.log"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        # initdb refuses to run as root: run the cluster as the postgres account then.
-        self.user = "postgres" if os.geteuid() == 0 else None
-        if self.user:
-            shutil.chown(self.dir, self.user)
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _run(self, *argv: str) -> None:
-        subprocess.run(argv, check=True, user=self.user, capture_output=True, timeout=120)
-
-    def init(self) -> ThrowawayPostgres:
-        self._run(_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                  "--no-sync", "-E", "UTF8")
-        return self
-
-    def start(self) -> None:
-        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60",
-                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1", "start")
-
-    def stop_immediately(self) -> None:
-        """The outage: every backend killed at once, no shutdown checkpoint."""
-        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
-
-    def running(self) -> bool:
-        return subprocess.run([_pg_bin("pg_ctl"), "-D", str(self.data), "status"],
-                              check=False, user=self.user, capture_output=True).returncode == 0
-
-    def destroy(self) -> None:
-        if self.data.exists() and self.running():
-            self.stop_immediately()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -7,9 +7,7 @@ stop or restart Redis use a throwaway ``redis-server`` of their own, never the s
 from __future__ import annotations
 
 import logging
-import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,59 +30,9 @@ from celery_resilient import (
 from celery_resilient.context_cache import Lookup
 from celery_resilient.store.sql import Owner, Store
 from celery_resilient.testing import wait_for
+from celery_resilient.testing.services import ThrowawayRedis, free_port
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """A throwaway ``redis-server`` (no persistence) this test may stop, kill and restart."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.binary = shutil.which("redis-server")
-        assert self.binary, "redis-server is not installed"
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        assert self.binary is not None
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.RedisError:
-                return False
-
-        try:
-            wait_for(up, 10, f"redis-server on port {self.port}")
-        finally:
-            client.close()
-        return self
-
-    def stop(self) -> None:
-        """SIGKILL: the cache vanishes the hard way."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
 
 def make_app(store_url: str, prefix: str, cache_url: str, **conf: Any) -> Celery:
@@ -420,7 +368,7 @@ def test_hung_redis_costs_one_short_timeout(make_contexts: Callable[..., Context
 
 def test_redis_restarted_and_stopped(make_contexts: Callable[..., ContextStore],
                                      tmp_path: Path) -> None:
-    server = RedisServer(tmp_path).start()
+    server = ThrowawayRedis().start()
     try:
         cs = make_contexts(server.url)
         cs.create("r", {"turns": ["a"]})
@@ -440,4 +388,4 @@ def test_redis_restarted_and_stopped(make_contexts: Callable[..., ContextStore],
         wait_for(lambda: cs.get("r").version == 3 and cs._redis.read("r").hit,  # type: ignore[union-attr]
                  10, "the cache to be refilled after Redis came back")
     finally:
-        server.stop()
+        server.destroy()

@@ -1,0 +1,125 @@
+"""Throwaway PostgreSQL and Redis servers a test may stop, kill and restart.
+
+Resilience to a store or broker outage is shown by taking a real server away, never the
+machine's own: each of these runs on a free port under a temporary directory and is removed
+by ``destroy()``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .waiting import wait_for
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name) or next(iter(sorted(glob.glob(
+        f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+    if found is None:
+        raise RuntimeError(f"{name} not found: install the PostgreSQL server binaries")
+    return found
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL cluster of its own (``initdb``), run as ``postgres`` when we are root."""
+
+    def __init__(self, max_connections: int = 100) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="resilient-pg-", dir="/tmp"))
+        self.data = self.dir / "data"
+        self.log = self.dir / "server.log"
+        self.port = free_port()
+        self.max_connections = max_connections
+        # initdb refuses to run as root: run the cluster as the postgres account then.
+        self.user = "postgres" if os.geteuid() == 0 else None
+        if self.user:
+            shutil.chown(self.dir, self.user)
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run(argv, check=True, user=self.user, capture_output=True, timeout=120)
+
+    def init(self) -> ThrowawayPostgres:
+        self._run(_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+                  "--no-sync", "-E", "UTF8")
+        return self
+
+    def start(self) -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60",
+                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                  f"-c max_connections={self.max_connections}", "start")
+
+    def stop_immediately(self) -> None:
+        """The outage: every backend killed at once, no shutdown checkpoint."""
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def running(self) -> bool:
+        return subprocess.run([_pg_bin("pg_ctl"), "-D", str(self.data), "status"],
+                              check=False, user=self.user, capture_output=True).returncode == 0
+
+    def destroy(self) -> None:
+        if self.data.exists() and self.running():
+            self.stop_immediately()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ThrowawayRedis:
+    """A ``redis-server`` of its own; ``persistent`` keeps data across a kill (AOF, fsync)."""
+
+    def __init__(self, persistent: bool = False) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: install Redis")
+        self.binary = binary
+        self.dir = Path(tempfile.mkdtemp(prefix="resilient-redis-", dir="/tmp"))
+        self.port = free_port()
+        self.persistent = persistent
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ThrowawayRedis:
+        persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.persistent
+                       else ["--appendonly", "no"])
+        with (self.dir / "server.log").open("ab") as out:
+            self.proc = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+                 str(self.dir), "--save", "", "--protected-mode", "no", *persistence],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(self.answers, 30, f"redis-server on port {self.port}")
+        return self
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes the hard way."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    stop = kill
+
+    def restart(self) -> ThrowawayRedis:
+        self.kill()
+        return self.start()
+
+    def destroy(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
