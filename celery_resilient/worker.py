@@ -35,14 +35,23 @@ class Maintainer(threading.Thread):
         self.rounds = 0
 
     def flush_receipts(self) -> int:
-        """Write every buffered delivery in one statement; on failure keep them for later."""
+        """Write every buffered delivery in one statement.
+
+        A store outage keeps them for the next round. Any other error drops the batch (the
+        broker still holds those messages unacked) rather than retry it forever and starve
+        the heartbeat behind it.
+        """
         items = self.rt.receipts.take_all()
         if items:
             try:
                 self.rt.store.record_receipts(items, self.owner, self.rt.config.lease_seconds)
-            except BaseException:
+            except StoreUnavailable:
                 self.rt.receipts.put_back(items)
                 raise
+            except Exception:
+                log.exception("dropped %d receipt(s) that cannot be written", len(items),
+                              extra={"action": "receipt_dropped"})
+                return 0
         return len(items)
 
     def run(self) -> None:

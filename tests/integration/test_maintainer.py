@@ -1,0 +1,36 @@
+"""The worker's maintainer thread: receipts batched, a bad batch never starves the heartbeat."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from celery_resilient import Resilient
+from celery_resilient.store.sql import Owner, Receipt
+from celery_resilient.worker import Maintainer
+
+
+def _maintainer(pg_url: str, prefix: str) -> tuple[Maintainer, Resilient]:
+    app = Celery("maint", set_as_current=False)
+    app.conf.update(resilient_store_url=pg_url, resilient_table_prefix=prefix,
+                    resilient_auto_migrate=True)
+    rt = Resilient(app)
+    return Maintainer(rt, Owner("maint@host", "inc-1", os.getpid())), rt
+
+
+def test_receipts_flush_in_one_round_and_a_bad_batch_is_dropped(pg_url: str,
+                                                                table_prefix: str) -> None:
+    maint, rt = _maintainer(pg_url, table_prefix)
+    try:
+        for i in range(3):
+            rt.receipts.add(Receipt(f"k{i}", "maint.task", f"t{i}", None, '{"m": 1}'))
+        assert maint.flush_receipts() == 3 and len(rt.receipts) == 0
+        assert [rt.store.get_work(f"k{i}").state for i in range(3)] == ["reserved"] * 3  # type: ignore[union-attr]
+
+        rt.receipts.add(Receipt("x" * 300, "maint.task", "t-bad", None, None))  # > 255 chars
+        assert maint.flush_receipts() == 0, "an unwritable batch must be dropped, not retried"
+        assert len(rt.receipts) == 0
+        assert rt.store.heartbeat(maint.owner, 30) == 3  # the heartbeat still renews all three
+    finally:
+        rt.store.dispose()
