@@ -196,10 +196,11 @@ class Chaos:
                 deadline = time.monotonic() + 60
                 while True:
                     try:
-                        client.send_task(f"chaos.{kind}", args=a, task_id=task_id,
-                                         queue=self.queue, retry=False)
+                        # apply_async on the task class: durable submit records it first
+                        client.tasks[f"chaos.{kind}"].apply_async(
+                            a, task_id=task_id, queue=self.queue, retry=False)
                         break
-                    except Exception as exc:  # broker restarting: publish again
+                    except Exception as exc:  # broker or store restarting: submit again
                         if time.monotonic() > deadline:
                             raise RuntimeError(f"could not publish {task_id}: {exc}") from exc
                         time.sleep(0.2)

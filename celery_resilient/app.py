@@ -40,8 +40,13 @@ class Resilient:
         app.steps["worker"].add(ResilientWorkerStep)
         # Weak receivers: the app holds this object, so they live exactly as long as the app.
         signals.task_received.connect(self._on_task_received)
-        signals.before_task_publish.connect(self._on_before_publish)
         signals.worker_process_init.connect(self._on_process_init)
+
+    @classmethod
+    def enabled_on(cls, app: Celery) -> Resilient | None:
+        """The runtime of ``app``, or None when ``Resilient(app)`` was never applied."""
+        rt: Resilient | None = getattr(app, _ATTR, None)
+        return rt
 
     @classmethod
     def of(cls, app: Celery) -> Resilient:
@@ -111,17 +116,6 @@ class Resilient:
     def _on_task_received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is not None and self._mine(request.task.app):
             receipts.record_received(self, request)
-
-    def _on_before_publish(self, sender: Any = None, body: Any = None,
-                           headers: dict[str, Any] | None = None,
-                           properties: dict[str, Any] | None = None, exchange: str = "",
-                           routing_key: str = "", **_: Any) -> None:
-        if not headers or not self.config.durable_submit or headers.get("resilient_republished"):
-            return
-        task = self.app.tasks.get(headers.get("task", ""))
-        if task is None or not self._mine(task.app):
-            return
-        receipts.record_submitted(self, body, headers, properties or {}, exchange, routing_key)
 
     def _on_process_init(self, **_: Any) -> None:
         if self._store is not None:

@@ -105,7 +105,7 @@ def republish(rt: Resilient, work_key: str) -> Republished:
              "previous_state": row.state, "previous_owner": row.owner_node}
     try:
         with rt.app.connection_for_write() as broker:
-            messages.publish(broker, row.message_json, {REPUBLISHED_HEADER: 1})
+            messages.publish(broker, row.message_json, {REPUBLISHED_HEADER: 1}, rt.app)
     except Exception as exc:
         log.warning("operator re-publish of %s failed: %s; a worker's sweep will send it "
                     "after resilient_submit_timeout", work_key, exc,

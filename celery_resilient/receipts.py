@@ -4,8 +4,9 @@
 recorded as reserved by this worker incarnation, with its message, so that if the worker
 dies the message can be re-published in seconds instead of waiting for the broker.
 
-``before_task_publish`` (opt-in ``resilient_durable_submit``): the message is in the store
-before the broker sees it, which survives a broker that loses its data.
+``ResumableTask.apply_async`` (opt-in ``resilient_durable_submit``): the work and a
+re-publishable message are in the store before the broker sees it, which survives a broker
+that loses its data.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import logging
 import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any
-
-from kombu.serialization import dumps as kombu_dumps
 
 from . import codec, messages, workkey
 from .errors import ResilientError
@@ -83,26 +82,29 @@ def record_received(rt: Resilient, request: Any) -> None:
                   extra={"action": "receipt_failed", "task_id": request.id})
 
 
-def record_submitted(rt: Resilient, body: Any, headers: dict[str, Any],
-                     properties: dict[str, Any], exchange: str, routing_key: str) -> None:
-    """Durable submit: store the message (serialized as it will be sent) before publishing."""
-    from .task import ResumableTask
+# Options of apply_async that are live objects, not part of the message.
+_LOCAL_OPTIONS = ("producer", "connection", "router", "publisher", "add_to_parent")
 
-    name = headers.get("task")
-    task = rt.app.tasks.get(name) if name else None
-    if not isinstance(task, ResumableTask) or not isinstance(name, str):
-        return
-    args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) else ((), {})
-    key = workkey.derive(task, headers["id"], args, kwargs, headers)
-    serializer = task.serializer or rt.app.conf.task_serializer
-    content_type, content_encoding, data = kombu_dumps(  # type: ignore[no-untyped-call]
-        body, serializer=serializer)
-    rt.store.record_submission(
-        key, name, headers["id"], _digest(args, kwargs),
-        messages.from_publish(data, content_type, content_encoding, headers, properties,
-                              exchange, routing_key),
-        rt.config.submit_timeout,
-    )
+
+def record_submission(rt: Resilient, task: Any, args: Any, kwargs: Any, task_id: str,
+                      options: dict[str, Any]) -> None:
+    """Durable submit: the work is in the store before the broker sees its message.
+
+    Raises :class:`StoreUnavailable` to the caller of ``apply_async`` when the store is down,
+    before anything is published, so a submission is never silently without its record.
+    """
+    kept = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
+    signature = task.signature(args, kwargs, {**kept, "task_id": task_id})
+    message = messages.from_signature(signature)
+    if message is None:
+        raise ResilientError(
+            f"durable submit of {task.name}: arguments and options must be JSON to be kept "
+            "in the store; send JSON arguments or disable resilient_durable_submit"
+        )
+    headers = options.get("headers") or {}
+    key = workkey.derive(task, task_id, args, kwargs, headers)
+    rt.store.record_submission(key, task.name, task_id, _digest(args, kwargs), message,
+                               rt.config.submit_timeout)
 
 
 def _digest(args: Any, kwargs: Any) -> str | None:

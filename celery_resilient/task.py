@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery import Task
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
+from celery.utils import uuid
 
-from . import codec, identity, messages, signals, workkey
+from . import codec, identity, messages, receipts, signals, workkey
 from .checkpoint import Checkpoint
 from .context import Context, task_context
 from .errors import ResilientError, StaleClaimError, StoreUnavailable
 from .execution import Execution
 from .ledger import Ledger
+from .recovery import REPUBLISHED_HEADER
 from .steps import run_step
 from .testing import killpoints
 
@@ -216,6 +218,20 @@ class ResumableTask(Task):  # type: ignore[misc]
             except StoreUnavailable as down:
                 self._retry_store_down(down, epoch)
             raise
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    **options: Any) -> Any:
+        """Celery's apply_async; with ``resilient_durable_submit`` the store records the work
+        first, and an unreachable store raises here, before anything is published."""
+        from .app import Resilient
+
+        rt = Resilient.enabled_on(self.app)  # a client app may send without the plugin
+        headers = options.get("headers") or {}
+        if (rt is not None and rt.config.durable_submit and not self.app.conf.task_always_eager
+                and not headers.get(REPUBLISHED_HEADER)):
+            task_id = task_id or uuid()
+            receipts.record_submission(rt, self, args or (), kwargs or {}, task_id, options)
+        return super().apply_async(args, kwargs, task_id=task_id, **options)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's retry, after handing the claim back so the retried message can take it."""
