@@ -227,8 +227,9 @@ class ResumableTask(Task):  # type: ignore[misc]
 
         rt = Resilient.enabled_on(self.app)  # a client app may send without the plugin
         headers = options.get("headers") or {}
+        resend = task_id is not None and task_id == self.request.id  # a retry of this run
         if (rt is not None and rt.config.durable_submit and not self.app.conf.task_always_eager
-                and not headers.get(REPUBLISHED_HEADER)):
+                and not resend and not headers.get(REPUBLISHED_HEADER)):
             task_id = task_id or uuid()
             receipts.record_submission(rt, self, args or (), kwargs or {}, task_id, options)
         return super().apply_async(args, kwargs, task_id=task_id, **options)

@@ -50,3 +50,26 @@ def test_submission_is_recorded_then_published(redis_url: str, pg_url: str, queu
         store.dispose()
         redis.Redis.from_url(redis_url).delete(queue_name)
         app.close()
+
+
+def test_a_running_task_re_sending_itself_needs_no_store(redis_url: str, queue_name: str,
+                                                         table_prefix: str) -> None:
+    """A store-outage re-send of the running execution must still reach the broker.
+
+    (Found by the chaos soak: the re-send went through durable submit, failed on the dead
+    store, and the requeued copy without its supersedes header was skipped as held.)
+    """
+    dead_store = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test"
+    app = _app(dead_store, redis_url, queue_name, table_prefix)
+    task = app.tasks["durable.job"]
+    task.push_request(id="running-1")
+    try:
+        task.apply_async((1,), task_id="running-1")
+    finally:
+        task.pop_request()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.llen(queue_name) == 1
+    finally:
+        client.delete(queue_name)
+        app.close()
