@@ -36,9 +36,10 @@ import redis
 import sqlalchemy
 from bench_common import Worker, machine, markdown_table, median, wait_for
 from celery import Celery
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import create_engine, text
 
 from celery_resilient.store.sql import Store
+from celery_resilient.testing.services import drop_prefixed_tables
 
 PLAIN, RESUMABLE = "bench.plain", "bench.resumable"
 
@@ -122,17 +123,6 @@ class Bench:
         self.client.control.cancel_consumer(mode.queue, destination=node, reply=True,
                                             timeout=10)
         return n / elapsed, n / (t0 - t_publish)
-
-
-def drop_tables(url: str, prefix: str) -> None:
-    engine = create_engine(url)
-    try:
-        with engine.begin() as conn:
-            for name in inspect(conn).get_table_names():
-                if name.startswith(prefix):
-                    conn.execute(text(f'DROP TABLE IF EXISTS "{name}" CASCADE'))
-    finally:
-        engine.dispose()
 
 
 def profile_summary(profile_dir: Path, modes: list[Mode], tasks_per_mode: int) -> str:
@@ -267,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 mode.worker.stop()
         for mode in modes:
             if mode.store_url and not mode.store_url.startswith("sqlite"):
-                drop_tables(mode.store_url, mode.prefix)
+                drop_prefixed_tables(mode.store_url, mode.prefix)
         for key in bench.redis.scan_iter(f"*{tag}*"):  # our queues and kombu's bindings
             bench.redis.delete(key)
 

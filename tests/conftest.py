@@ -11,9 +11,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import create_engine, inspect, text
 
 from celery_resilient.store.sql import Store
+from celery_resilient.testing.services import drop_prefixed_tables
 
 pytest_plugins = ["celery_resilient.testing.plugin"]
 
@@ -43,17 +43,6 @@ def table_prefix() -> Iterator[str]:
     prefix = f"t{uuid.uuid4().hex[:10]}_"
     yield prefix
     drop_prefixed_tables(PG_URL, prefix)
-
-
-def drop_prefixed_tables(url: str, prefix: str) -> None:
-    engine = create_engine(url)
-    try:
-        with engine.begin() as conn:
-            for name in inspect(conn).get_table_names():
-                if name.startswith(prefix):
-                    conn.execute(text(f'DROP TABLE IF EXISTS "{name}" CASCADE'))
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

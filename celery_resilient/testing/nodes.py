@@ -14,7 +14,26 @@ from .process import LocalProcess
 from .waiting import wait_for
 
 
-class LocalWorker(CeleryTestWorker):  # type: ignore[misc]
+class _LocalNode:
+    """What worker and beat nodes share: a LocalProcess in place of a container."""
+
+    container: LocalProcess
+
+    @property
+    def process(self) -> LocalProcess:
+        return self.container
+
+    def kill(self, signal: str | int = "SIGKILL", reload_container: bool = True) -> None:
+        self.process.kill(signal)
+
+    def restart(self, reload_container: bool = True, force: bool = False) -> None:
+        """Start again after a kill, or stop gracefully and start when it still runs."""
+        if self.process.status == "running":
+            self.process.stop()
+        self.process.start()
+
+
+class LocalWorker(_LocalNode, CeleryTestWorker):  # type: ignore[misc]
     """A ``celery worker`` (prefork by default) in its own process group."""
 
     def __init__(self, app_module: str, log_dir: str | os.PathLike[str], *,
@@ -30,11 +49,6 @@ class LocalWorker(CeleryTestWorker):  # type: ignore[misc]
         super().__init__(process, app)
         self._queues = list(queues)
         self._loglevel = loglevel
-
-    @property
-    def process(self) -> LocalProcess:
-        container: LocalProcess = self.container
-        return container
 
     @property
     def version(self) -> str:
@@ -73,17 +87,9 @@ class LocalWorker(CeleryTestWorker):  # type: ignore[misc]
         os.kill(target, signals.SIGKILL)
         return target
 
-    def kill(self, signal: str | int = "SIGKILL", reload_container: bool = True) -> None:
-        self.process.kill(signal)
-
-    def restart(self, reload_container: bool = True, force: bool = False) -> None:
-        """Start again after a kill, or stop gracefully and start when it still runs."""
-        if self.process.status == "running":
-            self.process.stop()
-        self.process.start()
 
 
-class LocalBeat(CeleryTestNode):  # type: ignore[misc]
+class LocalBeat(_LocalNode, CeleryTestNode):  # type: ignore[misc]
     """A ``celery beat`` process (for example with the ResilientScheduler)."""
 
     def __init__(self, app_module: str, log_dir: str | os.PathLike[str], *, name: str = "beat",
@@ -97,22 +103,9 @@ class LocalBeat(CeleryTestNode):  # type: ignore[misc]
         process = LocalProcess(name, argv, log_dir, env=env, cwd=cwd, ready_prompt=ready_prompt)
         super().__init__(process, app)
 
-    @property
-    def process(self) -> LocalProcess:
-        container: LocalProcess = self.container
-        return container
-
     def start(self) -> LocalBeat:
         self.process.start()
         return self
-
-    def kill(self, signal: str | int = "SIGKILL", reload_container: bool = True) -> None:
-        self.process.kill(signal)
-
-    def restart(self, reload_container: bool = True, force: bool = False) -> None:
-        if self.process.status == "running":
-            self.process.stop()
-        self.process.start()
 
     def hostname(self) -> str:
         return self.process.name

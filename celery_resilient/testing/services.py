@@ -16,6 +16,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from sqlalchemy import create_engine, inspect, text
+
 from .waiting import wait_for
 
 
@@ -23,6 +25,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def drop_prefixed_tables(url: str, prefix: str) -> None:
+    """Drop every table whose name starts with ``prefix`` (a test's or benchmark's own store)."""
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            for name in inspect(conn).get_table_names():
+                if name.startswith(prefix):
+                    conn.execute(text(f'DROP TABLE IF EXISTS "{name}" CASCADE'))
+    finally:
+        engine.dispose()
 
 
 def _pg_bin(name: str) -> str:

@@ -16,7 +16,7 @@ from celery_resilient import Resilient
 from celery_resilient.contrib.django.conf import settings_config
 from celery_resilient.store import migrate as migrations
 from celery_resilient.store.sql import Store
-from tests.conftest import drop_prefixed_tables
+from celery_resilient.testing.services import drop_prefixed_tables
 
 from . import helpers
 
