@@ -8,7 +8,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from . import checks, receipts
+from . import checks, outcomes, receipts
 from .config import ResilientConfig, sanitize_url
 from .errors import ConfigurationError
 from .store.sql import Owner, Store
@@ -34,12 +34,14 @@ class Resilient:
         self._schema_ready = False
         self._lock = threading.Lock()
         self.receipts = receipts.ReceiptBuffer()
+        self.outcomes = outcomes.OutcomeBuffer(self.receipts.arrived)
         setattr(app, _ATTR, self)
         from .worker import ResilientWorkerStep
 
         app.steps["worker"].add(ResilientWorkerStep)
         # Weak receivers: the app holds this object, so they live exactly as long as the app.
         signals.task_received.connect(self._on_task_received)
+        signals.task_revoked.connect(self._on_task_revoked)
         signals.worker_process_init.connect(self._on_process_init)
 
     @classmethod
@@ -116,6 +118,13 @@ class Resilient:
     def _on_task_received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is not None and self._mine(request.task.app):
             receipts.record_received(self, request)
+
+    def _on_task_revoked(self, sender: Any = None, request: Any = None,
+                         terminated: bool = False, expired: bool = False, **_: Any) -> None:
+        from .task import ResumableTask
+
+        if isinstance(sender, ResumableTask) and self._mine(sender.app):
+            outcomes.on_task_revoked(self, request, terminated, expired)
 
     def _on_process_init(self, **_: Any) -> None:
         if self._store is not None:

@@ -23,6 +23,7 @@ from celery.bin.base import CeleryCommand, handle_preload_options
 from .app import Resilient
 from .config import sanitize_url
 from .errors import ResilientError
+from .states import ALL_STATES
 from .store import migrate as migrations
 from .store.admin_queries import (
     AdminQueries,
@@ -31,10 +32,9 @@ from .store.admin_queries import (
     PruneCounts,
     WorkInfo,
 )
-from .store.schema import DEAD, DONE, FAILED, OPEN_STATES
 from .store.sql import Owner, Store
 
-STATES = (*OPEN_STATES, DONE, FAILED, DEAD)
+STATES = ALL_STATES
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
 

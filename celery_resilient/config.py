@@ -44,6 +44,8 @@ class ResilientConfig:
     durable_submit: bool = False
     submit_timeout: float = 60.0
     sweep_batch: int = 500
+    max_republish: int = 8
+    republish_backoff_max: float = 3600.0
     catchup: str = "all"
     catchup_max_slots: int = 1000
     catchup_deadline: float | None = None
@@ -92,7 +94,8 @@ class ResilientConfig:
         if not _TABLE_PREFIX_RE.match(self.table_prefix):
             raise bad("table_prefix", "use lowercase letters, digits and _ (max 31 chars)")
         for name in ("lease_seconds", "heartbeat_interval", "sweep_interval", "submit_timeout",
-                     "store_retry_base", "store_retry_max", "context_cache_ttl"):
+                     "store_retry_base", "store_retry_max", "context_cache_ttl",
+                     "republish_backoff_max"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be a positive number of seconds")
         if self.heartbeat_interval * 2 > self.lease_seconds:
@@ -101,7 +104,7 @@ class ResilientConfig:
                 f"must be at most half of resilient_lease_seconds ({self.lease_seconds}) "
                 "so one missed heartbeat does not expire a live worker's leases",
             )
-        for name in ("max_attempts", "max_checkpoint_bytes", "sweep_batch",
+        for name in ("max_attempts", "max_checkpoint_bytes", "sweep_batch", "max_republish",
                      "catchup_max_slots", "context_cache_size"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be a positive integer")
@@ -176,6 +179,8 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "durable_submit": _as_bool,
     "submit_timeout": _as_float,
     "sweep_batch": _as_positive_int,
+    "max_republish": _as_positive_int,
+    "republish_backoff_max": _as_float,
     "catchup": _as_str,
     "catchup_max_slots": _as_positive_int,
     "catchup_deadline": _as_float,

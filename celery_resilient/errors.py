@@ -30,6 +30,10 @@ class StaleClaimError(ResilientError):
     """This execution's claim was taken over by a newer one; its writes are refused."""
 
 
+class WorkStopped(StaleClaimError):
+    """The work was cancelled or revoked while it ran; this execution's writes are refused."""
+
+
 class CheckpointError(ResilientError):
     """The checkpoint state cannot be stored; the previous checkpoint is unchanged."""
 

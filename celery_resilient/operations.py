@@ -23,7 +23,7 @@ from sqlalchemy import select, update
 from . import messages
 from .errors import ResilientError
 from .recovery import REPUBLISHED_HEADER
-from .store.schema import DEAD, DONE, FAILED, REQUEUED, RUNNING
+from .states import DEAD, DONE, FAILED, REQUEUED, RUNNING
 
 if TYPE_CHECKING:
     from .app import Resilient

@@ -24,7 +24,8 @@ REPUBLISHED_HEADER = "resilient_republished"
 def sweep(rt: Resilient, owner: Owner) -> list[Orphan]:
     """One recovery round; returns the orphans it re-published."""
     cfg = rt.config
-    orphans = rt.store.claim_orphans(owner, cfg.sweep_batch, cfg.submit_timeout)
+    orphans = rt.store.claim_orphans(owner, cfg.sweep_batch, cfg.submit_timeout,
+                                     cfg.max_republish, cfg.republish_backoff_max)
     if not orphans:
         return []
     sent: list[Orphan] = []

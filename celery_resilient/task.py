@@ -16,14 +16,16 @@ from celery import Task
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
+from celery.utils.time import maybe_iso8601
 
 from . import codec, identity, messages, receipts, signals, workkey
 from .checkpoint import Checkpoint
 from .context import Context, task_context
-from .errors import ResilientError, StaleClaimError, StoreUnavailable
+from .errors import ResilientError, StaleClaimError, StoreUnavailable, WorkStopped
 from .execution import Execution
 from .ledger import Ledger
 from .recovery import REPUBLISHED_HEADER
+from .states import FAILED, IGNORED
 from .steps import run_step
 from .testing import killpoints
 
@@ -49,6 +51,8 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     acks_late = True
     reject_on_worker_lost = True
+    #: The main process's request: records a hard time limit as the task's failure.
+    Request = "celery_resilient.outcomes:ResumableRequest"
 
     # -- hooks users may override ---------------------------------------------------------
 
@@ -167,6 +171,11 @@ class ResumableTask(Task):  # type: ignore[misc]
             signals.send(signals.duplicate_skipped, self.app, self.name,
                          reason=outcome.reason, **ctx)
             raise Ignore()
+        if outcome.action == "stopped":
+            log.info("work %s not run: request %s was %s", work_key, req.id, outcome.reason,
+                     extra={"action": "stopped_skipped", **ctx})
+            self._report_revoked(outcome.reason)
+            raise Ignore()
         if outcome.action == "dead":
             log.error("work %s is dead: %s", work_key, outcome.reason,
                       extra={"action": "dead", **ctx})
@@ -186,38 +195,84 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _run_claimed(self, rt: Resilient, epoch: int, ctx: dict[str, Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the body under the claim and end the claim by what Celery will do next."""
         work_key = ctx["work_key"]
-        if self.execution.attempts > 1:
-            log.info("resuming work %s (attempt %d)", work_key, self.execution.attempts,
-                     extra={"action": "resumed", **ctx})
-            self.on_resume(self.execution.attempts)
         try:
+            if self.execution.attempts > 1:
+                log.info("resuming work %s (attempt %d)", work_key, self.execution.attempts,
+                         extra={"action": "resumed", **ctx})
+                self.on_resume(self.execution.attempts)
             result = self.run(*args, **kwargs)
             rt.store.finish(work_key, epoch, codec.encode(result, f"result of {self.name}"))
             if killpoints.ARMED:
                 killpoints.reached("before_ack")
             return result
-        except Retry:
+        except Retry as retry:
+            # Celery published the retry (within max_retries): hand the claim to it.
+            self._hand_back(rt, epoch, ctx, _seconds_until(retry.when))
             raise
+        except Reject as reject:
+            if reject.requeue:
+                self._hand_back(rt, epoch, ctx, 0.0)
+            else:
+                self._record_end(rt, epoch, ctx, reject, FAILED)
+            raise
+        except WorkStopped as exc:
+            log.warning("stopped: %s", exc, extra={"action": "stopped", **ctx})
+            self._report_revoked(str(exc))
+            raise Ignore() from exc
         except StaleClaimError as exc:
-            log.warning("fenced: %s", exc, extra={"action": "fenced", **ctx})
-            signals.send(signals.work_fenced, self.app, self.name, epoch=epoch,
-                         error=str(exc), **ctx)
+            self._fenced(epoch, ctx, str(exc))
             raise Ignore() from exc
         except StoreUnavailable as exc:
             self._retry_store_down(exc, epoch)
-        except Exception as exc:
-            try:
-                rt.store.fail(work_key, epoch, f"{type(exc).__name__}: {exc}")
-            except StaleClaimError:
-                log.warning("fenced while recording failure of %s", work_key,
-                            extra={"action": "fenced", **ctx})
-                signals.send(signals.work_fenced, self.app, self.name, epoch=epoch,
-                             error="failure not recorded: superseded", **ctx)
-                raise Ignore() from exc
-            except StoreUnavailable as down:
-                self._retry_store_down(down, epoch)
+        except Ignore as ignore:
+            self._record_end(rt, epoch, ctx, ignore, IGNORED)
             raise
+        except Exception as exc:
+            self._record_end(rt, epoch, ctx, exc, FAILED)
+            raise
+
+    def _hand_back(self, rt: Resilient, epoch: int, ctx: dict[str, Any],
+                   delay: float) -> None:
+        """The claim goes back to ``requeued``: the re-sent message takes it, no death."""
+        try:
+            rt.store.release(ctx["work_key"], epoch, delay + rt.config.submit_timeout)
+        except StaleClaimError:
+            pass  # the re-sent copy (marked as superseding this epoch) already took it over
+        except StoreUnavailable as exc:
+            log.warning("could not hand %s back (%s); the re-sent copy takes it over",
+                        ctx["work_key"], exc, extra={"action": "store_retry", **ctx})
+
+    def _record_end(self, rt: Resilient, epoch: int, ctx: dict[str, Any], exc: BaseException,
+                    state: str) -> None:
+        """Record ``failed``/``ignored``; what to do when a newer execution owns the work."""
+        try:
+            rt.store.fail(ctx["work_key"], epoch, f"{type(exc).__name__}: {exc}", state)
+        except StaleClaimError as fenced:
+            row = rt.store.get_work(ctx["work_key"])
+            if row is not None and row.task_id == ctx["task_id"] and row.state == state:
+                return  # a later execution of this very request ended it the same way
+            self._fenced(epoch, ctx, f"{state} not recorded: superseded")
+            if isinstance(fenced, WorkStopped):
+                self._report_revoked(str(fenced))
+            raise Ignore() from exc
+        except StoreUnavailable as down:
+            self._retry_store_down(down, epoch)
+
+    def _fenced(self, epoch: int, ctx: dict[str, Any], error: str) -> None:
+        log.warning("fenced: %s", error, extra={"action": "fenced", **ctx})
+        signals.send(signals.work_fenced, self.app, self.name, epoch=epoch, error=error, **ctx)
+
+    def _report_revoked(self, reason: str) -> None:
+        """The caller sees REVOKED, as for a request Celery itself discarded."""
+        req = self.request
+        if self.ignore_result or req.ignore_result or isinstance(self.backend, DisabledBackend):
+            return
+        try:
+            self.backend.mark_as_revoked(req.id, reason, request=req)
+        except Exception as exc:  # the work is ended in the store either way
+            log.warning("could not mark %s revoked in the result backend: %s", req.id, exc)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     **options: Any) -> Any:
@@ -235,15 +290,18 @@ class ResumableTask(Task):  # type: ignore[misc]
         return super().apply_async(args, kwargs, task_id=task_id, **options)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's retry, after handing the claim back so the retried message can take it."""
+        """Celery's retry; the retried message may take over this execution's claim.
+
+        Celery decides (max_retries) and publishes; the message carries this epoch as the
+        one it supersedes, so it takes the claim without counting a death even if it
+        arrives before the claim is handed back. Past max_retries nothing is handed back:
+        the exception ends the work as ``failed``, as in Celery.
+        """
         x: Execution | None = getattr(self.request, "resilient_execution", None)
         if x is not None and not self.request.called_directly:
-            countdown = kwargs.get("countdown")
-            hold = (countdown or self.default_retry_delay or 0) + x.config.submit_timeout
-            try:
-                x.store.release(x.work_key, x.epoch, hold)
-            except StaleClaimError as exc:
-                raise Ignore() from exc
+            given = kwargs.get("headers") or {}
+            kwargs["headers"] = {**(self.request.headers or {}), **given,
+                                 SUPERSEDES_HEADER: x.epoch}
         return super().retry(*args, **kwargs)
 
     def _retry_store_down(self, exc: StoreUnavailable, epoch: int | None) -> Any:
@@ -286,6 +344,20 @@ def _digest_or_none(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None
         return codec.digest([list(args), kwargs])
     except ResilientError:
         return None
+
+
+def _seconds_until(when: Any) -> float:
+    """Retry.when (a countdown in seconds, or an ETA) as seconds from now."""
+    if when is None:
+        return 0.0
+    if isinstance(when, (int, float)):
+        return max(0.0, float(when))
+    try:
+        eta: datetime = maybe_iso8601(when) if isinstance(when, str) else when
+        now = datetime.now(eta.tzinfo) if eta.tzinfo else datetime.now()
+        return max(0.0, float((eta - now).total_seconds()))
+    except (TypeError, ValueError, AttributeError):
+        return 0.0
 
 
 def _as_int(value: Any) -> int | None:

@@ -16,12 +16,14 @@ from celery import bootsteps
 
 from . import identity, recovery
 from .errors import ResilientError, StoreUnavailable
+from .outcomes import RevokeWatcher
 from .store.sql import Owner
 
 if TYPE_CHECKING:
     from .app import Resilient
 
 log = logging.getLogger(__name__)
+REVOKE_POLL_SECONDS = 1.0
 
 
 class Maintainer(threading.Thread):
@@ -33,6 +35,7 @@ class Maintainer(threading.Thread):
         self.owner = owner
         self._stop_event = threading.Event()
         self.rounds = 0
+        self.revokes = RevokeWatcher()
 
     def flush_receipts(self) -> int:
         """Write every buffered delivery in one statement.
@@ -62,6 +65,10 @@ class Maintainer(threading.Thread):
             now = time.monotonic()
             try:
                 self.flush_receipts()
+                # Ended requests before the heartbeat and the sweep: an ended claim must
+                # never be taken for an orphan.
+                self.rt.outcomes.flush(self.rt)
+                self.revokes.flush(self.rt)
                 if now >= next_heartbeat:
                     self.rt.store.heartbeat(self.owner, cfg.lease_seconds, identity.pid_alive)
                     next_heartbeat = now + cfg.heartbeat_interval
@@ -83,8 +90,8 @@ class Maintainer(threading.Thread):
                               extra={"action": "maintenance_error"})
             if failures:
                 self._stop_event.wait(wait)
-            else:  # wake early for new receipts
-                self.rt.receipts.arrived.wait(wait)
+            else:  # wake early for new receipts and outcomes; look at revokes every second
+                self.rt.receipts.arrived.wait(min(wait, REVOKE_POLL_SECONDS))
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -117,6 +124,8 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.maintainer.join(timeout=5)
         try:
             self.maintainer.flush_receipts()
+            self.maintainer.rt.outcomes.flush(self.maintainer.rt)
+            self.maintainer.revokes.flush(self.maintainer.rt)
             self.maintainer.rt.store.mark_stopped(self.maintainer.owner,
                                                   self.maintainer.rt.config.submit_timeout)
         except ResilientError as exc:

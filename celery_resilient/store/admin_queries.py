@@ -14,11 +14,11 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, case, delete, exists, func, or_, select
 
+from ..states import OPEN_STATES, TERMINAL_STATES
 from .schedule import CLAIMED
-from .schema import DEAD, DONE, FAILED, OPEN_STATES
 from .sql import Store, guarded
 
-FINISHED_STATES = (DONE, FAILED, DEAD)
+FINISHED_STATES = TERMINAL_STATES
 PRUNE_BATCH = 500
 
 

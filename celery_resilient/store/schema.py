@@ -23,13 +23,6 @@ from sqlalchemy import (
 
 KEY = 255  # work keys, ledger keys, entry names: indexable on every dialect
 
-# Work states. ``reserved``: received by a worker, not started; ``running``: taken by a pool
-# process; ``requeued``: re-published or submitted, waiting for a worker; ``done``/``failed``:
-# finished; ``dead``: exceeded resilient_max_attempts deaths and is not run again.
-RESERVED, RUNNING, REQUEUED, DONE, FAILED, DEAD = (
-    "reserved", "running", "requeued", "done", "failed", "dead",
-)
-OPEN_STATES = (RESERVED, RUNNING, REQUEUED)
 
 
 @dataclass(frozen=True)
@@ -43,6 +36,7 @@ class Tables:
     schedule_markers: Table
     contexts: Table
     workers: Table
+    revocations: Table
 
 
 def build_tables(prefix: str = "resilient_") -> Tables:
@@ -62,6 +56,8 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("lease_expires_at", Float, nullable=True),
         Column("attempts", Integer, nullable=False, default=0),
         Column("deaths", Integer, nullable=False, default=0),
+        # Re-publishes since the work last started (reset by a take): bounded by
+        # resilient_max_republish, and the exponent of the backoff between them.
         Column("republished", Integer, nullable=False, default=0),
         Column("message_json", Text, nullable=True),
         Column("result_json", Text, nullable=True),
@@ -71,6 +67,7 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("finished_at", Float, nullable=True),
         Index(f"ix_{p}work_state_lease", "state", "lease_expires_at"),
         Index(f"ix_{p}work_incarnation", "incarnation"),
+        Index(f"ix_{p}work_task_id", "task_id"),  # revokes and operators find work by task id
     )
     checkpoints = Table(
         f"{p}checkpoints", md,
@@ -134,5 +131,14 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("stopped_at", Float, nullable=True),
         Index(f"ix_{p}workers_node", "node"),
     )
+    # Task ids revoked by Celery (``app.control.revoke``), copied from the workers' in-memory
+    # revoke lists: a copy delivered after a restart, or to a worker that never heard the
+    # broadcast, is still discarded. Kept for resilient_revoke_retention.
+    revocations = Table(
+        f"{p}revocations", md,
+        Column("task_id", String(KEY), primary_key=True),
+        Column("created_at", Float, nullable=False),
+        Index(f"ix_{p}revocations_created_at", "created_at"),
+    )
     return Tables(md, work, checkpoints, steps, ledger, schedule_runs, schedule_markers,
-                  contexts, workers)
+                  contexts, workers, revocations)

@@ -29,6 +29,7 @@ from sqlalchemy import (
     bindparam,
     case,
     delete,
+    exists,
     func,
     literal,
     or_,
@@ -37,11 +38,23 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from ..errors import StaleClaimError, StoreUnavailable, WorkKeyConflict
+from ..errors import StaleClaimError, StoreUnavailable, WorkKeyConflict, WorkStopped
+from ..states import (
+    DEAD,
+    DONE,
+    ENDED_BY_REQUEST,
+    FAILED,
+    OPEN_STATES,
+    REQUEUED,
+    RESERVED,
+    REVOKED,
+    RUNNING,
+    STOPPED_STATES,
+)
 from . import migrate
 from .dialect import Dialect
 from .engine import EngineHolder, for_writing
-from .schema import DEAD, DONE, FAILED, OPEN_STATES, REQUEUED, RESERVED, RUNNING, build_tables
+from .schema import build_tables
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -111,7 +124,8 @@ class TakeOutcome:
 
     ``run``: execute under ``claim``; ``done``: return ``result`` without running; ``held``: a
     live execution owns it, run nothing; ``dead``: exceeded the death cap; ``duplicate``: this
-    very message already failed and is not re-run.
+    very request already failed or was ignored and is not re-run; ``stopped``: this request
+    was revoked, expired or cancelled (``reason`` is that state).
     """
 
     action: str
@@ -153,20 +167,23 @@ class _Hot:
     """Statements on every task's path, built once: no per-call construction or cache keys."""
 
     def __init__(self, t: Any, dialect: Dialect) -> None:
-        w = t.work
+        w, rv = t.work, t.revocations
         now = dialect.now()
         self.take_fast = (
             # The common take in one statement: a reserved or requeued claim, compatible
-            # arguments, under the death cap. Anything else takes the careful path.
+            # arguments, under the death cap, its task id not revoked. Anything else takes
+            # the careful path.
             update(w)
             .where(w.c.work_key == bindparam("k"), w.c.state.in_((RESERVED, REQUEUED)),
                    w.c.deaths < bindparam("max_attempts", type_=Integer),
                    or_(w.c.args_digest.is_(None), bindparam("digest", type_=String).is_(None),
-                       w.c.args_digest == bindparam("digest", type_=String)))
+                       w.c.args_digest == bindparam("digest", type_=String)),
+                   ~exists().where(rv.c.task_id == bindparam("task_id", type_=String)))
             .values(state=RUNNING, epoch=w.c.epoch + 1, owner_node=bindparam("node"),
                     incarnation=bindparam("inc"), owner_pid=bindparam("pid"),
                     lease_expires_at=now + bindparam("lease", type_=Float),
                     attempts=w.c.attempts + 1, task_id=bindparam("task_id"), error=None,
+                    republished=0,
                     args_digest=func.coalesce(w.c.args_digest,
                                               bindparam("digest", type_=String)),
                     updated_at=now)
@@ -186,11 +203,18 @@ class _Hot:
                    w.c.state == RUNNING)
             .values(updated_at=now)
         )
+        c = t.checkpoints
+        stored = select(c.c.state_json).where(c.c.work_key == bindparam("k")).scalar_subquery()
+        # A checkpoint that changes the state is progress: the crash-loop counter starts
+        # again, so a long task interrupted by many deploys while advancing is not poison,
+        # while one that dies again and again at the same checkpoint is.
+        self.fence_progress = self.fence.values(deaths=case(
+            (stored.is_distinct_from(bindparam("state_json", type_=Text)), 0),
+            else_=w.c.deaths))
         if not dialect.is_sqlite:
             # Fence and upsert in one statement (PostgreSQL allows DML in a top-level WITH):
             # the checkpoint row is written only if the fencing UPDATE matched.
-            c = t.checkpoints
-            fenced = self.fence.returning(w.c.work_key).cte("fenced")
+            fenced = self.fence_progress.returning(w.c.work_key).cte("fenced")
             src = select(
                 fenced.c.work_key, bindparam("e", type_=BigInteger), literal(1, BigInteger),
                 bindparam("state_json", type_=Text), now,
@@ -318,9 +342,23 @@ class Store:
         """Refuse the transaction unless ``epoch`` still holds the running claim."""
         res = conn.execute(self._hot.fence, {"k": work_key, "e": epoch})
         if res.rowcount != 1:
-            raise StaleClaimError(
-                f"claim on work {work_key!r} at epoch {epoch} was superseded; write refused"
-            )
+            raise self._refused(work_key, epoch, "write refused")
+
+    def _refused(self, work_key: str, epoch: int, what: str) -> StaleClaimError:
+        """Why a fenced write matched no row: superseded, or stopped by a cancel or revoke."""
+        w = self.t.work
+        try:
+            with self.engine.connect() as conn:
+                row = conn.execute(select(w.c.state, w.c.epoch).where(
+                    w.c.work_key == work_key)).first()
+                conn.rollback()
+        except DBAPIError:
+            row = None
+        if row is not None and row.state in STOPPED_STATES and int(row.epoch) == epoch:
+            return WorkStopped(f"work {work_key!r} was {row.state} while epoch {epoch} ran; "
+                               f"{what}")
+        return StaleClaimError(f"claim on work {work_key!r} at epoch {epoch} was superseded; "
+                               f"{what}")
 
     @guarded
     def assert_current(self, work_key: str, epoch: int) -> None:
@@ -330,9 +368,7 @@ class Store:
             row = conn.execute(select(w.c.epoch, w.c.state).where(w.c.work_key == work_key)).first()
             conn.rollback()
         if row is None or row.epoch != epoch or row.state != RUNNING:
-            raise StaleClaimError(
-                f"claim on work {work_key!r} at epoch {epoch} was superseded; effect not started"
-            )
+            raise self._refused(work_key, epoch, "effect not started")
 
     # -- claims -----------------------------------------------------------------------------
 
@@ -422,12 +458,13 @@ class Store:
         supersedes: int | None,
         message_if_new: Callable[[], str | None] | None,
     ) -> TakeOutcome:
-        w = self.t.work
+        w, rv = self.t.work, self.t.revocations
         now = self.dialect.now()
         fast = self._take_fast(conn, work_key, task_id, args_digest, owner, lease_seconds,
                                max_attempts)
         if fast is not None:  # it changed since the first attempt outside this transaction
             return fast
+        revoked = conn.execute(select(rv.c.task_id).where(rv.c.task_id == task_id)).first()
         row = conn.execute(
             select(w, self.dialect.now().label("db_now"))
             .where(w.c.work_key == work_key)
@@ -438,12 +475,15 @@ class Store:
             # re-published anyway (the receipt, when it lands, replaces it with the original).
             conn.execute(w.insert().values(
                 work_key=work_key, task_name=task_name, task_id=task_id,
-                args_digest=args_digest, state=RUNNING, epoch=1, owner_node=owner.node,
+                args_digest=args_digest, state=REVOKED if revoked else RUNNING,
+                epoch=0 if revoked else 1, owner_node=owner.node,
                 incarnation=owner.incarnation, owner_pid=owner.pid,
-                lease_expires_at=now + lease_seconds, attempts=1, deaths=0, republished=0,
-                message_json=message_if_new() if message_if_new else None,
-                created_at=now, updated_at=now,
+                lease_expires_at=now + lease_seconds, attempts=0 if revoked else 1, deaths=0,
+                republished=0, message_json=message_if_new() if message_if_new else None,
+                created_at=now, updated_at=now, finished_at=now if revoked else None,
             ))
+            if revoked:
+                return TakeOutcome("stopped", reason=REVOKED)
             return TakeOutcome("run", Claim(work_key, 1, 1, 0))
         if args_digest and row.args_digest and args_digest != row.args_digest:
             raise WorkKeyConflict(
@@ -454,31 +494,46 @@ class Store:
             return TakeOutcome("done", result_json=row.result_json)
         if row.state == DEAD:
             return TakeOutcome("dead", reason=row.error or "")
-        if row.state == FAILED and row.task_id == task_id:
-            return TakeOutcome("duplicate", reason="this message already failed")
+        if row.state in ENDED_BY_REQUEST and row.task_id == task_id:
+            if row.state in STOPPED_STATES:
+                return TakeOutcome("stopped", reason=row.state)
+            return TakeOutcome("duplicate", reason=f"this request already ended ({row.state})")
         died = False
         if row.state == RUNNING:
             if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
                 return TakeOutcome(
                     "held", reason=f"running on {row.owner_node} (epoch {row.epoch})")
-            # A copy re-sent by the execution itself (store outage) replaces it: no death.
+            # A copy re-sent by the execution itself (store outage, retry) replaces it.
             died = row.epoch != supersedes
         deaths = row.deaths + (1 if died else 0)
+        if revoked and row.state in OPEN_STATES:
+            # Revoked by id: a copy delivered after a restart, or one this worker never
+            # heard the revoke for, ends here; running work ends when its owner is gone.
+            self._end(conn, work_key, REVOKED, deaths=deaths, error="revoked by task id")
+            return TakeOutcome("stopped", reason=REVOKED)
         if deaths >= max_attempts:
             reason = f"its execution died {deaths} times (resilient_max_attempts={max_attempts})"
-            conn.execute(update(w).where(w.c.work_key == work_key).values(
-                state=DEAD, deaths=deaths, error=reason, owner_pid=None, lease_expires_at=None,
-                updated_at=now, finished_at=now,
-            ))
+            self._end(conn, work_key, DEAD, deaths=deaths, error=reason)
             return TakeOutcome("dead", reason=reason)
         epoch = row.epoch + 1
         conn.execute(update(w).where(w.c.work_key == work_key).values(
             state=RUNNING, epoch=epoch, owner_node=owner.node, incarnation=owner.incarnation,
             owner_pid=owner.pid, lease_expires_at=now + lease_seconds,
             attempts=row.attempts + 1, deaths=deaths, task_id=task_id, error=None,
-            args_digest=func.coalesce(w.c.args_digest, args_digest), updated_at=now,
+            republished=0, args_digest=func.coalesce(w.c.args_digest, args_digest),
+            result_json=None, finished_at=None, updated_at=now,
         ))
         return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths))
+
+    def _end(self, conn: Connection, work_key: str, state: str, error: str,
+             deaths: Any = None) -> None:
+        """Move ``work_key`` to a terminal ``state`` inside ``conn``'s transaction."""
+        w = self.t.work
+        now = self.dialect.now()
+        conn.execute(update(w).where(w.c.work_key == work_key).values(
+            state=state, error=error, owner_pid=None, lease_expires_at=None, updated_at=now,
+            finished_at=now, deaths=w.c.deaths if deaths is None else deaths,
+        ))
 
     def _take_fast(self, conn: Connection, work_key: str, task_id: str,
                    args_digest: str | None, owner: Owner, lease_seconds: float,
@@ -511,31 +566,68 @@ class Store:
         self._close(work_key, epoch, DONE, result_json=result_json)
 
     @guarded
-    def fail(self, work_key: str, epoch: int, error: str) -> None:
-        self._close(work_key, epoch, FAILED, error=error[:4000])
+    def fail(self, work_key: str, epoch: int, error: str, state: str = FAILED) -> None:
+        """The execution ended without a result: ``failed``, or ``ignored`` (Celery's Ignore)."""
+        self._close(work_key, epoch, state, error=error[:4000])
 
     @guarded
     def release(self, work_key: str, epoch: int, hold_seconds: float) -> None:
-        """Hand the work back (a retry was published); the sweeper re-sends it if it vanishes."""
+        """Hand the work back (a retry or a requeueing Reject was sent): the next message
+        takes it without a death; the sweeper re-sends it if that message vanishes."""
         w = self.t.work
         now = self.dialect.now()
         with self.begin() as conn:
             self.fence(conn, work_key, epoch)
             conn.execute(update(w).where(w.c.work_key == work_key).values(
                 state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
-                lease_expires_at=now + hold_seconds, updated_at=now,
+                lease_expires_at=now + hold_seconds, republished=0, updated_at=now,
+                # a retry may carry other arguments: the next take records them
+                args_digest=None,
             ))
+
+    @guarded
+    def end_request(self, task_id: str, state: str, error: str) -> int:
+        """End the open work of one request, by task id, from the worker's main process.
+
+        Used for outcomes the pool process cannot record: a hard time limit (``failed``), a
+        delivery Celery discarded as revoked or expired, a running task terminated by
+        ``revoke(terminate=True)``. Returns how many rows changed (0 when it already ended).
+        """
+        w = self.t.work
+        now = self.dialect.now()
+        with self.begin() as conn:
+            return int(conn.execute(
+                update(w).where(w.c.task_id == task_id, w.c.state.in_(OPEN_STATES))
+                .values(state=state, error=error[:4000], owner_pid=None, lease_expires_at=None,
+                        updated_at=now, finished_at=now)).rowcount)
+
+    @guarded
+    def record_revocations(self, task_ids: Sequence[str]) -> int:
+        """Remember task ids revoked through Celery, and end their work that has not started.
+
+        Running work keeps running, as in Celery; if its owner dies, the copy that would take
+        it over ends as ``revoked`` instead (the take and the sweep check these ids).
+        """
+        if not task_ids:
+            return 0
+        w, rv = self.t.work, self.t.revocations
+        now = self.dialect.now()
+        ids = sorted(set(task_ids))
+        with self.begin() as conn:
+            conn.execute(self.dialect.insert(rv).values(created_at=now).on_conflict_do_nothing(
+                index_elements=[rv.c.task_id]), [{"task_id": i} for i in ids])
+            return int(conn.execute(
+                update(w).where(w.c.task_id.in_(ids), w.c.state.in_((RESERVED, REQUEUED)))
+                .values(state=REVOKED, error="revoked by task id", owner_pid=None,
+                        lease_expires_at=None, updated_at=now, finished_at=now)).rowcount)
 
     def _close(self, work_key: str, epoch: int, state: str, result_json: str | None = None,
                error: str | None = None) -> None:
         with self.single() as conn:
             res = conn.execute(self._hot.close, {"k": work_key, "e": epoch, "state": state,
                                                  "result_json": result_json, "error": error})
-            if res.rowcount != 1:
-                raise StaleClaimError(
-                    f"claim on work {work_key!r} at epoch {epoch} was superseded; "
-                    f"its {state} result was not recorded"
-                )
+        if res.rowcount != 1:
+            raise self._refused(work_key, epoch, f"its {state} result was not recorded")
 
     @guarded
     def heartbeat(self, owner: Owner, lease_seconds: float,
@@ -593,35 +685,61 @@ class Store:
                          .values(stopped_at=now))
 
     @guarded
-    def claim_orphans(self, owner: Owner, limit: int, hold_seconds: float) -> list[Orphan]:
+    def claim_orphans(self, owner: Owner, limit: int, hold_seconds: float,
+                      max_republish: int | None = None,
+                      max_hold_seconds: float | None = None) -> list[Orphan]:
         """Take back work whose owner is gone, and mark it re-published.
 
         Orphans are claims of this node's earlier incarnations (at once) and any open claim
         whose lease expired. Rows locked by another sweeper are skipped (PostgreSQL), so two
         sweepers never re-publish the same orphan in one round. The caller publishes after this
         commits; if it crashes first, the new lease expires and a later sweep sends it again.
+
+        Re-publishing is bounded: the n-th re-publish since the work last started waits
+        ``hold_seconds * 2**n`` (at most ``max_hold_seconds``) for a worker to take it, and
+        after ``max_republish`` of them the work is parked ``dead``. An orphan whose task id
+        was revoked ends ``revoked`` instead of being sent.
         """
-        w = self.t.work
+        w, rv = self.t.work, self.t.revocations
         now = self.dialect.now()
         earlier_self = and_(w.c.owner_node == owner.node, w.c.incarnation != owner.incarnation)
+        revoked = exists().where(rv.c.task_id == w.c.task_id).label("revoked")
         with self.begin() as conn:
             rows = conn.execute(
                 select(w.c.work_key, w.c.task_id, w.c.task_name, w.c.message_json, w.c.state,
-                       w.c.owner_node, w.c.deaths)
+                       w.c.owner_node, w.c.deaths, w.c.republished, revoked)
                 .where(w.c.state.in_(OPEN_STATES),
                        or_(w.c.lease_expires_at < now, earlier_self))
                 .order_by(w.c.created_at)
                 .limit(limit)
                 .with_for_update(**self.dialect.lock_kwargs())
             ).all()
+            orphans: list[Orphan] = []
             for r in rows:
+                death = 1 if r.state == RUNNING else 0
+                if r.revoked:
+                    self._end(conn, r.work_key, REVOKED, deaths=r.deaths + death,
+                              error="revoked by task id; its owner died")
+                    continue
+                if max_republish is not None and r.republished >= max_republish:
+                    self._end(conn, r.work_key, DEAD, deaths=r.deaths + death, error=(
+                        f"re-published {r.republished} times without starting "
+                        f"(resilient_max_republish={max_republish})"))
+                    log.error("work %s parked dead: re-published %d times without starting",
+                              r.work_key, r.republished,
+                              extra={"action": "dead", "work_key": r.work_key})
+                    continue
+                hold = hold_seconds * 2 ** min(r.republished, 30)
+                if max_hold_seconds is not None:
+                    hold = min(hold, max_hold_seconds)
                 conn.execute(update(w).where(w.c.work_key == r.work_key).values(
                     state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
-                    lease_expires_at=now + hold_seconds, republished=w.c.republished + 1,
-                    deaths=w.c.deaths + (1 if r.state == RUNNING else 0), updated_at=now,
+                    lease_expires_at=now + hold, republished=w.c.republished + 1,
+                    deaths=w.c.deaths + death, updated_at=now,
                 ))
-        return [Orphan(r.work_key, r.task_id, r.task_name, r.message_json, r.state,
-                       r.owner_node) for r in rows]
+                orphans.append(Orphan(r.work_key, r.task_id, r.task_name, r.message_json,
+                                      r.state, r.owner_node))
+        return orphans
 
     # -- reads for operators and tests ----------------------------------------------------
 
@@ -681,10 +799,7 @@ class Store:
                                    {"k": work_key, "e": epoch, "state_json": state_json}
                                    ).scalar_one_or_none()
             if seq is None:
-                raise StaleClaimError(
-                    f"claim on work {work_key!r} at epoch {epoch} was superseded; "
-                    "checkpoint refused"
-                )
+                raise self._refused(work_key, epoch, "checkpoint refused")
             return int(seq)
         c = self.t.checkpoints
         now = self.dialect.now()
@@ -695,7 +810,10 @@ class Store:
             set_={"epoch": epoch, "seq": c.c.seq + 1, "state_json": state_json, "updated_at": now},
         ).returning(c.c.seq)
         with self.begin() as conn:
-            self.fence(conn, work_key, epoch)
+            res = conn.execute(self._hot.fence_progress,
+                               {"k": work_key, "e": epoch, "state_json": state_json})
+            if res.rowcount != 1:
+                raise self._refused(work_key, epoch, "checkpoint refused")
             return int(conn.execute(stmt).scalar_one())
 
     @guarded

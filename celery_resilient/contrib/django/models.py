@@ -18,10 +18,11 @@ from datetime import datetime, timezone
 
 from django.db import models
 
+from ...states import ALL_STATES
 from .conf import table_prefix
 
 PREFIX = table_prefix()
-STATES = [(s, s) for s in ("reserved", "running", "requeued", "done", "failed", "dead")]
+STATES = [(s, s) for s in ALL_STATES]
 SLOT_STATES = [(s, s) for s in ("claimed", "sent", "skipped")]
 
 

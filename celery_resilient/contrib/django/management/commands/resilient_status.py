@@ -8,8 +8,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 
 from .....config import sanitize_url
+from .....states import OPEN_STATES
 from .....store import migrate as migrations
-from .....store.schema import OPEN_STATES
 from .....store.sql import Store
 from ...conf import store_config
 

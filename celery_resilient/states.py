@@ -1,0 +1,96 @@
+"""The work state machine: every state a unit of work can be in, and every named transition.
+
+This is the one place the lifecycle is defined. The store's SQL implements each transition
+(guarded by its ``sources``); the task wrapper and the worker's main process map Celery's
+outcomes onto them; ``docs/architecture.md`` prints :data:`TRANSITIONS` as a table, and the
+stateful property test (``tests/integration/test_state_machine.py``) holds the store to it.
+
+Terminal states are never re-published by the recovery sweep. ``done`` and ``dead`` bind the
+work key: every later delivery of that key returns the stored result, or fails with
+``WorkDead``. ``failed``, ``ignored``, ``revoked``, ``expired`` and ``cancelled`` bind the
+*task id*, as Celery's own outcomes do: a copy of the same message runs nothing, while a new
+request (a new task id) for the same work key runs again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RESERVED = "reserved"    # received by a worker (running or prefetched), not started
+RUNNING = "running"      # taken by one execution (epoch); its writes are fenced by the epoch
+REQUEUED = "requeued"    # waiting for a worker: submitted, handed back, or re-published
+DONE = "done"            # finished; its result is stored and returned to every copy
+FAILED = "failed"        # the body raised (retries exhausted, time limit, Reject without requeue)
+IGNORED = "ignored"      # the body raised celery.exceptions.Ignore
+REVOKED = "revoked"      # revoked by id (before start, while prefetched, or terminate=True)
+EXPIRED = "expired"      # its message's ``expires`` passed before it ran
+CANCELLED = "cancelled"  # an operator cancelled it (running work stops at its next write)
+DEAD = "dead"            # died or was re-published too often; parked with the reason
+
+NEW = "(new)"            # not a stored state: the work has no row yet
+
+OPEN_STATES = (RESERVED, RUNNING, REQUEUED)
+#: Terminal states bound to the task id: the same message never runs again.
+ENDED_BY_REQUEST = (FAILED, IGNORED, REVOKED, EXPIRED, CANCELLED)
+#: Terminal states bound to the work key: no delivery of the key runs again.
+ENDED_FOR_KEY = (DONE, DEAD)
+TERMINAL_STATES = (*ENDED_FOR_KEY, *ENDED_BY_REQUEST)
+ALL_STATES = (*OPEN_STATES, *TERMINAL_STATES)
+#: What the caller's AsyncResult shows for a copy that finds the work in this state.
+STOPPED_STATES = (REVOKED, EXPIRED, CANCELLED)
+
+
+@dataclass(frozen=True)
+class Transition:
+    name: str
+    sources: tuple[str, ...]  # NEW: the work has no row yet
+    target: str
+    who: str                  # which process makes it
+    why: str
+
+
+TRANSITIONS: tuple[Transition, ...] = (
+    Transition("submit", (NEW,), REQUEUED, "caller (apply_async)",
+               "durable submit: the message is stored before it is published"),
+    Transition("receive", (NEW, RESERVED, REQUEUED), RESERVED, "worker main process",
+               "a delivery (running or prefetched) is recorded with its message and a lease"),
+    Transition("take", (NEW, RESERVED, REQUEUED), RUNNING, "pool process",
+               "an execution starts: epoch + 1; its writes are fenced by that epoch"),
+    Transition("take_over", (RUNNING,), RUNNING, "pool process",
+               "the owner died (a death is counted) or the copy re-sent by the execution "
+               "itself replaces it (store outage, retry: no death)"),
+    Transition("restart", ENDED_BY_REQUEST, RUNNING, "pool process",
+               "a new request (new task id) for a key whose earlier request ended"),
+    Transition("finish", (RUNNING,), DONE, "pool process",
+               "the result and done commit together, before the broker ack"),
+    Transition("fail", (RUNNING,), FAILED, "pool process or main process",
+               "exception, retries exhausted, soft or hard time limit, Reject(requeue=False)"),
+    Transition("ignore", (RUNNING,), IGNORED, "pool process", "the body raised Ignore"),
+    Transition("hand_back", (RUNNING,), REQUEUED, "pool process",
+               "self.retry (within max_retries) or Reject(requeue=True): the next message "
+               "takes it, no death counted"),
+    Transition("revoke", (RESERVED, REQUEUED, RUNNING), REVOKED, "worker main process",
+               "revoked by id (running work only with terminate=True, or when its owner "
+               "dies after the revoke)"),
+    Transition("expire", (RESERVED, REQUEUED, RUNNING), EXPIRED, "worker main process",
+               "a delivery was discarded because its expires passed"),
+    Transition("cancel", OPEN_STATES, CANCELLED, "operator",
+               "celery resilient cancel / Django admin; running work stops at its next write"),
+    Transition("orphan", OPEN_STATES, REQUEUED, "sweeper",
+               "the owner's lease expired (or it is an earlier start of this node): "
+               "re-published with backoff; a running claim counts a death"),
+    Transition("park", (*OPEN_STATES,), DEAD, "pool process or sweeper",
+               "deaths reached resilient_max_attempts, or re-publishes reached "
+               "resilient_max_republish without a start"),
+    Transition("stop", (RESERVED,), REQUEUED, "worker main process",
+               "a clean shutdown hands its prefetched claims back"),
+    Transition("retry", (*TERMINAL_STATES,), REQUEUED, "operator",
+               "celery resilient retry: the stored message is sent again, counters reset"),
+)
+
+BY_NAME = {t.name: t for t in TRANSITIONS}
+
+
+def allowed(name: str, state: str | None) -> bool:
+    """Whether transition ``name`` may start from ``state`` (None: no row yet)."""
+    return (NEW if state is None else state) in BY_NAME[name].sources

@@ -1,0 +1,36 @@
+"""Revoked task ids outlive the workers' memory; work is found by task id.
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-11-30
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+from celery_resilient.store.migrate import table_prefix
+
+revision = "0002"
+down_revision = "0001"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    p = table_prefix()
+    op.create_table(
+        f"{p}revocations",
+        sa.Column("task_id", sa.String(255), primary_key=True),
+        sa.Column("created_at", sa.Float, nullable=False),
+    )
+    op.create_index(f"ix_{p}revocations_created_at", f"{p}revocations", ["created_at"])
+    op.create_index(f"ix_{p}work_task_id", f"{p}work", ["task_id"])
+
+
+def downgrade() -> None:
+    p = table_prefix()
+    op.drop_index(f"ix_{p}work_task_id", table_name=f"{p}work")
+    op.drop_index(f"ix_{p}revocations_created_at", table_name=f"{p}revocations")
+    op.drop_table(f"{p}revocations")
