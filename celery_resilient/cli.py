@@ -23,7 +23,7 @@ from celery.bin.base import CeleryCommand, handle_preload_options
 from .app import Resilient
 from .config import sanitize_url
 from .errors import ResilientError
-from .states import ALL_STATES
+from .states import ALL_STATES, DEAD
 from .store import migrate as migrations
 from .store.admin_queries import (
     AdminQueries,

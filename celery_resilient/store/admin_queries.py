@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, case, delete, exists, func, or_, select
 
-from ..states import OPEN_STATES, TERMINAL_STATES
+from ..states import DEAD, OPEN_STATES, TERMINAL_STATES
 from .schedule import CLAIMED
 from .sql import Store, guarded
 
