@@ -35,7 +35,7 @@ class Checkpoint:
 
     def load(self, default: Any = None) -> Any:
         """The last saved state, or a copy of ``default`` when nothing was saved yet."""
-        found = self._x.store.load_checkpoint(self._x.work_key)
+        found = self._x.progress.load_checkpoint(self._x.work_key)
         if found is None:
             return copy.deepcopy(default)
         text, self.sequence = found
@@ -66,7 +66,7 @@ class Checkpoint:
                 f"resilient_max_checkpoint_bytes={limit}; keep large data elsewhere and "
                 "checkpoint a reference to it"
             )
-        self.sequence = self._x.store.save_checkpoint(self._x.work_key, self._x.epoch, text)
+        self.sequence = self._x.progress.save_checkpoint(self._x.work_key, self._x.epoch, text)
         if killpoints.ARMED:
             killpoints.reached("after_checkpoint")
         if progress is not None and self._on_progress is not None:
@@ -74,7 +74,7 @@ class Checkpoint:
         return self.sequence
 
     def clear(self) -> None:
-        self._x.store.clear_checkpoint(self._x.work_key, self._x.epoch)
+        self._x.progress.clear_checkpoint(self._x.work_key, self._x.epoch)
         self.sequence = 0
 
 

@@ -331,7 +331,7 @@ def task_context(task: ResumableTask, key: str,
     first).
     """
     store = for_app(task.app)
-    x = getattr(task.request, "resilient_execution", None)
+    x = getattr(task.request, "resilient_execution", None)  # None for a direct call
     fence: Fence | None = (x.work_key, x.epoch) if x is not None else None
     try:
         ctx = store.get(key)

@@ -25,17 +25,17 @@ def run_step(x: Execution, name: str, fn: Callable[..., R], *args: Any, **kwargs
     """
     if not isinstance(name, str) or not name or len(name) > 255:
         raise ResilientError(f"step name must be a non-empty string of <= 255 chars, got {name!r}")
-    stored = x.store.get_step(x.work_key, name)
+    stored = x.progress.get_step(x.work_key, name)
     if stored is not None:
         log.info("step %s of %s already applied; returning its stored result", name, x.work_key,
                  extra={"action": "step_replayed", "work_key": x.work_key, "step": name})
         result: R = codec.decode(stored, f"stored result of step {name!r} of work {x.work_key!r}")
         return result
-    x.store.assert_current(x.work_key, x.epoch)  # a known zombie never starts the effect
+    x.progress.assert_current(x.work_key, x.epoch)  # a known zombie never starts the effect
     result = fn(*args, **kwargs)
     if killpoints.ARMED:
         killpoints.reached("after_effect")
-    x.store.put_step(x.work_key, x.epoch, name, codec.encode(result, f"result of step {name!r}"))
+    x.progress.put_step(x.work_key, x.epoch, name, codec.encode(result, f"result of step {name!r}"))
     if killpoints.ARMED:
         killpoints.reached("after_step")
     return result

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,6 +21,7 @@ from celery.utils.time import maybe_iso8601
 
 from . import codec, identity, messages, receipts, signals, workkey
 from .checkpoint import Checkpoint
+from .config import ResilientConfig
 from .context import Context, task_context
 from .errors import ResilientError, StaleClaimError, StoreUnavailable, WorkStopped
 from .execution import Execution
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+_direct_execution: ContextVar[Execution | None] = ContextVar("resilient_direct", default=None)
 SUPERSEDES_HEADER = "resilient_supersedes"
 SCHEDULED_FOR_HEADER = "resilient_scheduled_for"
 
@@ -78,10 +81,13 @@ class ResumableTask(Task):  # type: ignore[misc]
     @property
     def execution(self) -> Execution:
         x: Execution | None = getattr(self.request, "resilient_execution", None)
+        if x is None and self.request.called_directly:
+            x = _direct_execution.get()
         if x is None:
             raise ResilientError(
                 f"{self.name}: checkpoints, steps and the work key exist only while the task "
-                "runs under a worker or apply(), not when it is called directly"
+                "runs (under a worker, apply(), or a direct call task(...); task.run(...) "
+                "bypasses them)"
             )
         return x
 
@@ -108,7 +114,12 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     @property
     def ledger(self) -> Ledger:
-        return Ledger(self.execution.store, self.execution)
+        """Once-per-key effects. Keys are global, so a direct call uses the real store too
+        (unfenced: it holds no claim)."""
+        x = self.execution
+        if x.store is None:
+            return Ledger(self.resilient.store)
+        return Ledger(x.store, x)
 
     def context(self, key: str, create_default: dict[str, Any] | None = None) -> Context:
         """The stored continuity context ``key`` (dict-like, ``.version``, ``.save()``).
@@ -121,8 +132,8 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _publish_progress(self, done: int, total: int) -> None:
         """``checkpoint.save(..., progress=(done, total))``: the ``PROGRESS`` state, if stored."""
-        if self.ignore_result or self.request.ignore_result or isinstance(
-                self.backend, DisabledBackend):
+        if self.request.called_directly or self.ignore_result or self.request.ignore_result \
+                or isinstance(self.backend, DisabledBackend):
             return
         try:
             self.update_state(state="PROGRESS", meta={"done": done, "total": total})
@@ -144,7 +155,7 @@ class ResumableTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request
         if req.called_directly or not req.id:
-            return super().__call__(*args, **kwargs)
+            return self._call_directly(args, kwargs)
         rt = self.resilient
         work_key = self._work_key_for(req.id, args, kwargs)
         who = identity.owner(req.hostname)
@@ -192,6 +203,23 @@ class ResumableTask(Task):  # type: ignore[misc]
         finally:
             identity.leave(work_key)
             req.resilient_execution = None
+
+    def _call_directly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``task(...)`` as in Celery: the body runs now, in this process, once.
+
+        No claim: checkpoints start empty and steps run, both kept in memory for this call
+        only; nothing is resumed, fenced or recorded as work. The ledger still applies.
+        """
+        from .app import Resilient
+
+        rt = Resilient.enabled_on(self.app)
+        config = rt.config if rt is not None else ResilientConfig()
+        key = self._work_key_for(f"direct-{uuid()}", args, kwargs)
+        token = _direct_execution.set(Execution.for_direct_call(config, key))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _direct_execution.reset(token)
 
     def _run_claimed(self, rt: Resilient, epoch: int, ctx: dict[str, Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
