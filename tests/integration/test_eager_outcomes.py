@@ -35,7 +35,8 @@ class App:
     def _define(self) -> None:
         app, t = self.app, self
 
-        @app.task(base=ResumableTask, bind=True, shared=False, max_retries=1, name="eager.exhausted")
+        @app.task(base=ResumableTask, bind=True, shared=False, max_retries=1,
+                  name="eager.exhausted")
         def exhausted(self: ResumableTask) -> None:
             t.ran("exhausted")
             raise self.retry(countdown=0, exc=RuntimeError("nope"))
@@ -50,8 +51,8 @@ class App:
                 raise self.retry(countdown=0, exc=RuntimeError("again"))
             return int(state["tries"])
 
-        @app.task(base=ResumableTask, bind=True, shared=False, autoretry_for=(KeyError,), max_retries=2,
-                  retry_backoff=True, retry_backoff_max=0, retry_jitter=False,
+        @app.task(base=ResumableTask, bind=True, shared=False, autoretry_for=(KeyError,),
+                  max_retries=2, retry_backoff=True, retry_backoff_max=0, retry_jitter=False,
                   name="eager.auto")
         def auto(self: ResumableTask) -> None:
             t.ran("auto")
