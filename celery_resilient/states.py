@@ -63,29 +63,32 @@ TRANSITIONS: tuple[Transition, ...] = (
                "a new request (new task id) for a key whose earlier request ended"),
     Transition("finish", (RUNNING,), DONE, "pool process",
                "the result and done commit together, before the broker ack"),
-    Transition("fail", (RUNNING,), FAILED, "pool process or main process",
-               "exception, retries exhausted, soft or hard time limit, Reject(requeue=False)"),
+    Transition("fail", OPEN_STATES, FAILED, "pool process (running) or main process",
+               "exception, retries exhausted, soft time limit, Reject(requeue=False); the "
+               "main process records a hard time limit by task id, whatever the claim's state"),
     Transition("ignore", (RUNNING,), IGNORED, "pool process", "the body raised Ignore"),
     Transition("hand_back", (RUNNING,), REQUEUED, "pool process",
                "self.retry (within max_retries) or Reject(requeue=True): the next message "
                "takes it, no death counted"),
-    Transition("revoke", (RESERVED, REQUEUED, RUNNING), REVOKED, "worker main process",
+    Transition("revoke", OPEN_STATES, REVOKED,
+               "worker main process, or the take or sweep that meets a revoked task id",
                "revoked by id (running work only with terminate=True, or when its owner "
                "dies after the revoke)"),
-    Transition("expire", (RESERVED, REQUEUED, RUNNING), EXPIRED, "worker main process",
+    Transition("expire", OPEN_STATES, EXPIRED, "worker main process",
                "a delivery was discarded because its expires passed"),
     Transition("cancel", OPEN_STATES, CANCELLED, "operator",
                "celery resilient cancel / Django admin; running work stops at its next write"),
     Transition("orphan", OPEN_STATES, REQUEUED, "sweeper",
                "the owner's lease expired (or it is an earlier start of this node): "
                "re-published with backoff; a running claim counts a death"),
-    Transition("park", (*OPEN_STATES,), DEAD, "pool process or sweeper",
+    Transition("park", OPEN_STATES, DEAD, "pool process or sweeper",
                "deaths reached resilient_max_attempts, or re-publishes reached "
                "resilient_max_republish without a start"),
     Transition("stop", (RESERVED,), REQUEUED, "worker main process",
                "a clean shutdown hands its prefetched claims back"),
-    Transition("retry", (*TERMINAL_STATES,), REQUEUED, "operator",
-               "celery resilient retry: the stored message is sent again, counters reset"),
+    Transition("retry", (DEAD, *ENDED_BY_REQUEST), REQUEUED, "operator",
+               "celery resilient retry: the stored message is sent again, counters reset "
+               "(done work is never re-run)"),
 )
 
 BY_NAME = {t.name: t for t in TRANSITIONS}
