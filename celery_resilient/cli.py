@@ -1,9 +1,11 @@
 """``celery -A proj resilient <command>``: operate the store from Celery's own CLI.
 
 ``migrate`` creates or upgrades the schema; ``status``, ``work``, ``schedule`` and every
-``--dry-run`` only read; ``recover`` re-publishes orphans now; ``prune`` deletes finished work
-and old ledger markers. Human tables by default, ``--json`` for scripts. Store URLs are shown
-with their password masked. See ``docs/operations.md``.
+``--dry-run`` only read; ``recover`` re-publishes orphans now; ``cancel``, ``retry`` and
+``forget`` stop, re-run or delete chosen work; ``prune`` deletes old ended work (and, only
+when asked, old ledger markers). Commands that change work chosen by a filter, and ``prune``,
+ask for confirmation unless ``--yes``. Human tables by default, ``--json`` for scripts.
+Store URLs are shown with their password masked. See ``docs/operations.md``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import json
 import os
 import re
 import socket
+import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,33 +37,55 @@ from .store.admin_queries import (
     PruneCounts,
     WorkInfo,
 )
+from .store.operator_queries import (
+    CANCEL_SOURCES,
+    FORGET_SOURCES,
+    RETRY_SOURCES,
+    ActionReport,
+    Selection,
+    SelectionError,
+)
 from .store.sql import Owner, Store
 
 STATES = ALL_STATES
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
+_EXAMPLES = "30s, 15m, 12h, 7d, 2w, or combined like 1d12h"
 
 
 def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` or combined (``1d12h``) -> seconds."""
+    """``30s``, ``15m``, ``12h``, ``7d``, ``2w`` or combined (``1d12h``) -> seconds.
+
+    Every number needs its unit: a bare ``7`` meant as days but read as seconds would make
+    ``prune`` delete nearly everything, so it is refused rather than guessed.
+    """
     value = text.strip().lower()
+    if not value:
+        raise ValueError(f"an empty duration; use e.g. {_EXAMPLES}")
     pos, total = 0, 0.0
     while pos < len(value):
         m = _DURATION_RE.match(value, pos)
-        if m is None or m.end() == pos:
-            raise ValueError(f"{text!r} is not a duration (use e.g. 90s, 15m, 12h, 7d, 2w)")
-        total += float(m.group(1)) * _UNITS[m.group(2) or "s"]
+        if m is None:
+            raise ValueError(f"{text!r} is not a duration; use e.g. {_EXAMPLES}")
+        number, unit = m.groups()
+        if not unit:
+            raise ValueError(f"{text!r} has no unit after {number}: write {number}s, "
+                             f"{number}m, {number}h, {number}d or {number}w")
+        if unit not in _UNITS:
+            raise ValueError(f"{text!r} has an unknown unit {unit!r}: use s, m, h, d or w")
+        total += float(number) * _UNITS[unit]
         pos = m.end()
-    if not value or total <= 0:
-        raise ValueError(f"{text!r} is not a positive duration (use e.g. 90s, 15m, 12h, 7d)")
+    if total <= 0:
+        raise ValueError(f"{text!r} is not a positive duration; use e.g. {_EXAMPLES}")
     return total
 
 
-def _duration_option(ctx: click.Context, param: click.Parameter, value: str) -> float:
+def _duration(value: str, option: str) -> float:
+    """``value`` as seconds, or a usage error naming ``option`` and the problem."""
     try:
         return parse_duration(value)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from None
+        raise click.BadParameter(str(exc), param_hint=f"'{option}'") from None
 
 
 # -- plumbing ---------------------------------------------------------------------------------
@@ -125,17 +152,20 @@ def _span(seconds: float) -> str:
     return f"{seconds / 86_400:.1f}d"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ") -> None:
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ",
+           err: bool = False) -> None:
     if not rows:
-        click.echo(f"{indent}(none)")
+        click.echo(f"{indent}(none)", err=err)
         return
     cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     click.echo(indent + "  ".join(h.upper().ljust(w) for h, w in zip(headers, widths,
-                                                                     strict=True)).rstrip())
+                                                                     strict=True)).rstrip(),
+               err=err)
     for r in cells:
         click.echo(indent + "  ".join(v.ljust(w) for v, w in zip(r, widths,
-                                                                 strict=True)).rstrip())
+                                                                 strict=True)).rstrip(),
+                   err=err)
 
 
 def _echo_json(data: Any) -> None:
@@ -167,6 +197,40 @@ def _work_dict(w: WorkInfo, now: float) -> dict[str, Any]:
 
 
 option_json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+option_yes = click.option("--yes", "-y", is_flag=True,
+                          help="Do not ask for confirmation (needed when stdin is not a "
+                               "terminal).")
+
+
+@contextmanager
+def _json_errors(as_json: bool) -> Iterator[None]:
+    """With ``--json``, errors too are JSON on stdout (``{"error": ...}``), same exit code."""
+    try:
+        yield
+    except click.ClickException as exc:
+        if not as_json:
+            raise
+        _echo_json({"error": exc.format_message(), "exit_code": exc.exit_code})
+        raise click.exceptions.Exit(exc.exit_code) from None
+
+
+def _interactive() -> bool:
+    """Whether someone can answer a prompt (tests replace this)."""
+    return sys.stdin.isatty()
+
+
+def _confirm(question: str, what: str) -> None:
+    """Ask ``question`` on stderr; refuse (nothing changed) on no, or without a terminal."""
+    if not _interactive():
+        raise click.ClickException(
+            f"{what} asks for confirmation, and stdin is not a terminal: nothing was changed. "
+            "Pass --yes to confirm, or --dry-run to list what it would do")
+    try:
+        yes = click.confirm(question, default=False, err=True)
+    except click.Abort:  # end of input, or Ctrl-C
+        yes = False
+    if not yes:
+        raise click.ClickException("not confirmed: nothing was changed")
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -175,7 +239,8 @@ option_json = click.option("--json", "as_json", is_flag=True, help="Machine-read
 @click.pass_context
 @handle_preload_options  # type: ignore[untyped-decorator]
 def resilient(ctx: click.Context) -> None:
-    """celery-resilient: migrate, inspect, recover and prune the durable store."""
+    """celery-resilient: migrate, inspect, recover, cancel, retry, forget and prune the
+    durable store."""
 
 
 @resilient.command(cls=CeleryCommand)
@@ -413,34 +478,211 @@ def _show_candidates(candidates: Sequence[OrphanCandidate], now: float) -> None:
 
 
 @resilient.command(cls=CeleryCommand)
-@click.option("--older-than", "older_than", required=True, callback=_duration_option,
-              help="Age of what is deleted: 90s, 15m, 12h, 7d, 2w.")
-@click.option("--ledger/--no-ledger", default=True, show_default=True,
-              help="Also delete ledger markers applied before the cutoff.")
+@click.option("--older-than", "older_than", default=None, metavar="DURATION",
+              help="Age of what is deleted, with its unit: 30s, 15m, 12h, 7d, 2w. Required.")
+@click.option("--ledger/--no-ledger", default=False, show_default=True,
+              help="Also delete ledger markers applied before the cutoff. A deleted marker "
+                   "no longer stops its effect from being applied again.")
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@option_yes
 @option_json
 @click.pass_context
-def prune(ctx: click.Context, older_than: float, ledger: bool, dry_run: bool,
+def prune(ctx: click.Context, older_than: str | None, ledger: bool, dry_run: bool, yes: bool,
           as_json: bool) -> None:
-    """Delete finished work (done, failed, dead) with its checkpoint and steps, and old
-    ledger markers. A deleted key is no longer de-duplicated: keep more than any redelivery
-    or catch-up window."""
-    _, store = _store(ctx)
-    queries = AdminQueries(store)
-    if dry_run:
-        counts: PruneCounts = _run(lambda: queries.prune_counts(older_than))
-        if not ledger:
-            counts = PruneCounts(counts.work, counts.checkpoints, counts.steps, 0)
-    else:
-        counts = _run(lambda: queries.prune(older_than, ledger=ledger))
+    """Delete ended work (done, failed, ignored, revoked, expired, cancelled, dead) with its
+    checkpoint and steps, and old revocation tombstones; with --ledger, old ledger markers
+    too. A deleted key is no longer de-duplicated: keep more than any redelivery or catch-up
+    window. Asks for confirmation unless --yes or --dry-run."""
+    with _json_errors(as_json):
+        if older_than is None:
+            raise click.UsageError("--older-than is required (e.g. --older-than 30d)")
+        seconds = _duration(older_than, "--older-than")
+        _, store = _store(ctx)
+        queries = AdminQueries(store)
+        counts: PruneCounts
+        if dry_run:
+            counts = _run(lambda: queries.prune_counts(seconds, ledger=ledger))
+        elif yes:
+            counts = _run(lambda: queries.prune(seconds, ledger=ledger))
+        else:
+            planned: PruneCounts = _run(lambda: queries.prune_counts(seconds, ledger=ledger))
+            if planned.total == 0:
+                counts = planned  # nothing to confirm: nothing is deleted
+            else:
+                _confirm(f"delete {_prune_summary(planned)}, older than {_span(seconds)}?",
+                         "prune")
+                counts = _run(lambda: queries.prune(seconds, ledger=ledger))
     if as_json:
-        _echo_json({"dry_run": dry_run, "older_than_s": older_than,
+        _echo_json({"dry_run": dry_run, "older_than_s": seconds, "ledger": ledger,
                     ("would_delete" if dry_run else "deleted"): counts.as_dict()})
         return
     verb = "would delete" if dry_run else "deleted"
-    click.echo(f"older than {_span(older_than)}: {verb} {counts.work} finished work "
-               f"({counts.checkpoints} checkpoints, {counts.steps} steps) and "
-               f"{counts.ledger} ledger markers")
+    click.echo(f"older than {_span(seconds)}: {verb} {_prune_summary(counts)}"
+               + ("" if ledger else " (ledger markers kept: --ledger deletes them)"))
+
+
+def _prune_summary(counts: PruneCounts) -> str:
+    return (f"{counts.work} ended work ({counts.checkpoints} checkpoints, {counts.steps} "
+            f"steps), {counts.ledger} ledger markers and {counts.revocations} revocation "
+            "tombstones")
+
+
+# -- cancel, retry, forget --------------------------------------------------------------------
+
+def _selection_options(sources: Sequence[str]) -> Callable[[Callable[..., Any]],
+                                                           Callable[..., Any]]:
+    """Work keys as arguments and/or a filter, plus --dry-run, --yes and --json."""
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed((
+            click.argument("work_keys", nargs=-1, metavar="[WORK_KEY]..."),
+            click.option("--state", "states", multiple=True, metavar="STATE",
+                         help=f"Only work in this state (repeatable): {', '.join(sources)}. "
+                              "Default: all of those."),
+            click.option("--task", default=None, help="Only work of this task name."),
+            click.option("--older-than", "older_than", default=None, metavar="DURATION",
+                         help="Only work that finished (open work: last changed) longer "
+                              "ago than this: 30s, 15m, 12h, 7d, 2w."),
+            click.option("--dry-run", is_flag=True,
+                         help="List what would change and what would be refused; change "
+                              "nothing."),
+            option_yes,
+            option_json,
+        )):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+def _operate(ctx: click.Context, action: str, work_keys: tuple[str, ...],
+             states: tuple[str, ...], task: str | None, older_than: str | None, dry_run: bool,
+             yes: bool, as_json: bool,
+             act: Callable[[Resilient, Selection, bool], ActionReport]) -> None:
+    """Shared body of cancel, retry and forget: validate, confirm a filter, act, report.
+
+    Named keys act at once (the operator named each one). A filter alone is first run as a
+    dry run and shown; after confirmation only the listed work is acted on (each row is
+    checked again under its lock), never work that matched meanwhile.
+    """
+    with _json_errors(as_json):
+        selection = Selection(tuple(work_keys), tuple(states), task,
+                              None if older_than is None
+                              else _duration(older_than, "--older-than"))
+        try:
+            selection = selection.checked(action)
+        except SelectionError as exc:
+            raise click.UsageError(str(exc)) from None
+        rt, _ = _store(ctx)  # the schema is checked, never created
+        ctx.call_on_close(rt.store.dispose)
+        if dry_run:
+            report = _run(lambda: act(rt, selection, True))
+        elif selection.keys or yes:
+            report = _run(lambda: act(rt, selection, False))
+        else:
+            preview = _run(lambda: act(rt, selection, True))
+            if not preview.changed:
+                report = replace(preview, dry_run=False)  # nothing to confirm or change
+            else:
+                _show_report(preview, as_json=False, err=True)
+                _confirm(f"{action} {len(preview.changed)} unit(s) of work "
+                         f"({selection.describe()})?", f"{action} with a filter")
+                listed = tuple(t.work_key for t in preview.changed)
+                report = _run(lambda: act(rt, Selection(
+                    listed, selection.states, selection.task, selection.older_than), False))
+                report = replace(report, refused=preview.refused + report.refused)
+    _show_report(report, as_json)
+    if not report.ok:
+        ctx.exit(1)
+
+
+_PAST = {"cancel": "cancelled", "retry": "retried", "forget": "forgot"}
+
+
+def _show_report(report: ActionReport, as_json: bool, err: bool = False) -> None:
+    if as_json:
+        data: dict[str, Any] = {
+            "action": report.action, "dry_run": report.dry_run,
+            ("would_change" if report.dry_run else "changed"): [
+                {"work_key": t.work_key, "task": t.task_name, "task_id": t.task_id,
+                 "previous_state": t.previous_state, "owner": t.owner_node}
+                for t in report.changed],
+            "refused": [{"work_key": r.work_key, "state": r.state, "reason": r.reason}
+                        for r in report.refused],
+        }
+        if report.action == "forget":
+            data["checkpoints"], data["steps"] = report.checkpoints, report.steps
+        if report.action == "retry":
+            data["not_sent"] = [{"work_key": k, "error": e} for k, e in report.unsent]
+        _echo_json(data)
+        return
+    verb = f"would {report.action}" if report.dry_run else _PAST[report.action]
+    extra = ""
+    if report.action == "forget":
+        extra = (f" with {report.checkpoints} checkpoints and {report.steps} steps "
+                 "(ledger markers kept)")
+    click.echo(f"{verb} {len(report.changed)} unit(s) of work{extra}", err=err)
+    if report.changed:
+        _table(("work key", "task", "task id", "was", "owner"),
+               [(t.work_key, t.task_name, t.task_id, t.previous_state, t.owner_node)
+                for t in report.changed], err=err)
+    if report.refused:
+        word = "would refuse" if report.dry_run else "refused"
+        click.echo(f"{word} {len(report.refused)}:", err=err)
+        _table(("work key", "state", "reason"),
+               [(r.work_key, r.state or "-", r.reason) for r in report.refused], err=err)
+    if report.unsent:
+        click.echo(f"{len(report.unsent)} re-queued but not sent (a worker's sweep sends them "
+                   "after resilient_submit_timeout):", err=err)
+        _table(("work key", "error"), report.unsent, err=err)
+
+
+@resilient.command(cls=CeleryCommand)
+@_selection_options(CANCEL_SOURCES)
+@click.option("--reason", default=None,
+              help="Why; recorded as the work's error: 'cancelled by operator: REASON'.")
+@click.pass_context
+def cancel(ctx: click.Context, work_keys: tuple[str, ...], states: tuple[str, ...],
+           task: str | None, older_than: str | None, dry_run: bool, yes: bool, as_json: bool,
+           reason: str | None) -> None:
+    """Cancel open work (reserved, running, requeued): it never runs again under its task
+    id. Running work is not interrupted: its next checkpoint, step, ledger write or result
+    is refused, and its caller sees REVOKED. A filter without named keys asks for
+    confirmation unless --yes; exits 1 when anything was refused."""
+    from . import operations
+
+    _operate(ctx, "cancel", work_keys, states, task, older_than, dry_run, yes, as_json,
+             lambda rt, sel, dry: operations.cancel(rt, sel, reason, dry_run=dry))
+
+
+@resilient.command(cls=CeleryCommand)
+@_selection_options(RETRY_SOURCES)
+@click.pass_context
+def retry(ctx: click.Context, work_keys: tuple[str, ...], states: tuple[str, ...],
+          task: str | None, older_than: str | None, dry_run: bool, yes: bool,
+          as_json: bool) -> None:
+    """Run ended work again with its task id (failed, ignored, revoked, expired, cancelled,
+    dead; never done): deaths and re-publishes reset, its revocation tombstone deleted, its
+    stored message sent again (without its expires). A filter without named keys asks for
+    confirmation unless --yes; exits 1 when anything was refused or not sent."""
+    from . import operations
+
+    _operate(ctx, "retry", work_keys, states, task, older_than, dry_run, yes, as_json,
+             lambda rt, sel, dry: operations.retry(rt, sel, dry_run=dry))
+
+
+@resilient.command(cls=CeleryCommand)
+@_selection_options(FORGET_SOURCES)
+@click.pass_context
+def forget(ctx: click.Context, work_keys: tuple[str, ...], states: tuple[str, ...],
+           task: str | None, older_than: str | None, dry_run: bool, yes: bool,
+           as_json: bool) -> None:
+    """Delete ended work with its checkpoint and steps (never open work). Its ledger
+    markers are kept, so effects it applied are still not applied again; a later delivery
+    of the same key runs as new work. A filter without named keys asks for confirmation
+    unless --yes; exits 1 when anything was refused."""
+    from . import operations
+
+    _operate(ctx, "forget", work_keys, states, task, older_than, dry_run, yes, as_json,
+             lambda rt, sel, dry: operations.forget(rt, sel, dry_run=dry))
 
 
 @resilient.command(cls=CeleryCommand)

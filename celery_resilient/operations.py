@@ -1,29 +1,45 @@
-"""Operator actions on single units of work, shared by the Django admin and scripts.
+"""Operator actions on stored work, shared by the CLI, the Django admin and scripts.
 
 ``republish(rt, work_key)`` sends a dead or stuck unit's stored message again, on purpose,
 with the same task id and work key. It refuses, with the reason, whatever it cannot re-send
 safely or usefully: work running under a live lease (its worker is alive), work already done
-(a copy would only return the stored result), work that failed by its own exception (a copy
-with the same task id is skipped as a duplicate), and work without a stored message.
+(a copy would only return the stored result), work that ended by its own request (failed,
+ignored, revoked, expired, cancelled: a copy with the same task id is stopped; ``retry``
+is the action for those), and work without a stored message.
 
-The row is changed first, in one transaction that re-checks its state under a row lock; the
-message is published after that commits, exactly as the recovery sweep does. If the publish
-fails, the row is left ``requeued`` with a lease of ``resilient_submit_timeout``, so a
-worker's sweeper sends it again when that runs out.
+``cancel``, ``retry`` and ``forget`` act on a :class:`Selection` (work keys and/or a filter)
+and return an :class:`ActionReport` listing what changed and what was refused, and why; the
+SQL is in :mod:`celery_resilient.store.operator_queries`. ``retry`` publishes what it
+re-queued.
+
+Rows are changed first, in transactions that re-check their state under a row lock; messages
+are published after that commits, exactly as the recovery sweep does. If a publish fails, the
+row is left ``requeued`` with a lease of ``resilient_submit_timeout``, so a worker's sweeper
+sends it again when that runs out.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
 
 from . import messages
 from .errors import ResilientError
 from .recovery import REPUBLISHED_HEADER
-from .states import DEAD, DONE, FAILED, REQUEUED, RUNNING
+from .states import DEAD, DONE, ENDED_BY_REQUEST, FAILED, REQUEUED, RUNNING
+from .store.operator_queries import (
+    ActionReport,
+    OperatorQueries,
+    Refusal,
+    Selection,
+    SelectionError,
+    Target,
+)
 
 if TYPE_CHECKING:
     from .app import Resilient
@@ -58,7 +74,11 @@ def refusal(state: str, lease_left: float | None, owner: str | None,
                 "return that result")
     if state == FAILED:
         return (f"it failed by its own exception ({error or 'no error recorded'}); a copy with "
-                "the same task id is skipped as a duplicate, so send a new task to run it again")
+                "the same task id is skipped as a duplicate: use retry to run this request "
+                "again, or send a new task")
+    if state in ENDED_BY_REQUEST:
+        return (f"it ended as {state} ({error or 'no reason recorded'}); a copy with the same "
+                "task id is stopped: use retry to run this request again, or send a new task")
     if state == RUNNING and lease_left is not None and lease_left > 0:
         return (f"it is running on {owner or 'an unknown worker'} under a live lease "
                 f"({lease_left:.0f}s left); it is not stuck. If that worker is gone, its lease "
@@ -114,3 +134,99 @@ def republish(rt: Resilient, work_key: str) -> Republished:
     log.info("operator re-published work %s (was %s on %s)", work_key, row.state,
              row.owner_node, extra=extra)
     return done
+
+
+# -- cancel, retry, forget ----------------------------------------------------------------------
+
+def cancel(rt: Resilient, selection: Selection, reason: str | None = None,
+           dry_run: bool = False) -> ActionReport:
+    """Cancel open work: it never runs again under its task id; a running execution stops
+    at its next fenced write (``WorkStopped``, reported as REVOKED to its caller)."""
+    report = OperatorQueries(rt.store).cancel(selection, reason, dry_run)
+    if not dry_run:
+        for t in report.changed:
+            log.info("operator cancelled work %s (was %s on %s)", t.work_key, t.previous_state,
+                     t.owner_node, extra={"action": "operator_cancelled",
+                                          "work_key": t.work_key, "task_id": t.task_id,
+                                          "previous_state": t.previous_state})
+    return report
+
+
+def retry(rt: Resilient, selection: Selection, dry_run: bool = False) -> ActionReport:
+    """Run ended work (failed, ignored, revoked, expired, cancelled, dead) again with its
+    task id: re-queued with its counters reset and its revocation tombstone deleted, then its
+    stored message is sent again without its ``expires`` (an operator's retry overrides the
+    caller's deadline; an expired message would otherwise expire again at once)."""
+    unsent: list[tuple[str, str]] = []
+
+    def publish(batch: Sequence[Target]) -> None:
+        sent: set[str] = set()
+        try:
+            with rt.app.connection_for_write() as broker:
+                for t in batch:
+                    _publish_retried(rt, broker, t, unsent)
+                    sent.add(t.work_key)
+        except Exception as exc:  # the broker connection itself failed
+            unsent.extend((t.work_key, f"{type(exc).__name__}: {exc}") for t in batch
+                          if t.work_key not in sent)
+
+    report = OperatorQueries(rt.store).retry(
+        selection, rt.config.submit_timeout, dry_run, rewrite=without_expiry,
+        on_batch=publish)
+    return replace(report, unsent=tuple(unsent))
+
+
+def _publish_retried(rt: Resilient, broker: Any, t: Target,
+                     unsent: list[tuple[str, str]]) -> None:
+    extra = {"action": "operator_retried", "work_key": t.work_key, "task_id": t.task_id,
+             "previous_state": t.previous_state}
+    try:
+        if t.message_json is None:  # refused before it got here; checked for the types
+            raise ValueError("no stored message")
+        messages.publish(broker, t.message_json, {REPUBLISHED_HEADER: 1}, rt.app)
+    except Exception as exc:
+        unsent.append((t.work_key, f"{type(exc).__name__}: {exc}"))
+        log.warning("operator retry of %s was recorded but its message was not sent: %s; a "
+                    "worker's sweep sends it after resilient_submit_timeout", t.work_key, exc,
+                    extra={**extra, "action": "republish_failed"})
+        return
+    log.info("operator retried work %s (was %s)", t.work_key, t.previous_state, extra=extra)
+
+
+def forget(rt: Resilient, selection: Selection, dry_run: bool = False) -> ActionReport:
+    """Delete ended work with its checkpoint and steps; its ledger markers are kept, so an
+    effect it applied is still not applied again."""
+    report = OperatorQueries(rt.store).forget(selection, dry_run)
+    if not dry_run:
+        for t in report.changed:
+            log.info("operator forgot work %s (was %s)", t.work_key, t.previous_state,
+                     extra={"action": "operator_forgot", "work_key": t.work_key,
+                            "task_id": t.task_id, "previous_state": t.previous_state})
+    return report
+
+
+def without_expiry(message_json: str) -> str:
+    """The stored message without its ``expires``.
+
+    Celery discards a delivery whose ``expires`` has passed before it runs, and the work
+    would end ``expired`` again; an operator's retry overrides the caller's deadline. It is
+    dropped whatever the clock says, so a retry means the same thing every time. A message
+    without one is returned unchanged.
+    """
+    m = json.loads(message_json)
+    signature = m.get("signature")
+    if isinstance(signature, dict):  # the call form (no delivered bytes were at hand)
+        options = signature.get("options")
+        if not isinstance(options, dict) or options.pop("expires", None) is None:
+            return message_json
+    else:
+        headers = m.get("headers")
+        if not isinstance(headers, dict) or headers.get("expires") is None:
+            return message_json
+        headers["expires"] = None
+    return json.dumps(m)
+
+
+__all__ = ["ActionReport", "Refusal", "RepublishRefused", "Republished", "Selection",
+           "SelectionError", "Target", "cancel", "forget", "refusal", "republish", "retry",
+           "without_expiry"]

@@ -2,7 +2,8 @@
 
 Reads never lock and never change a row: ``status``, ``work``, ``schedule`` and every
 ``--dry-run`` are safe on a live system. The only writes here are the retention deletes of
-``prune``, batched so a large backlog never holds one long transaction.
+``prune``, batched so a large backlog never holds one long transaction. The operator's
+transitions (cancel, retry, forget) are in :mod:`.operator_queries`.
 """
 
 from __future__ import annotations
@@ -130,10 +131,15 @@ class PruneCounts:
     checkpoints: int = 0
     steps: int = 0
     ledger: int = 0
+    revocations: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"work": self.work, "checkpoints": self.checkpoints, "steps": self.steps,
-                "ledger": self.ledger}
+                "ledger": self.ledger, "revocations": self.revocations}
+
+    @property
+    def total(self) -> int:
+        return self.work + self.checkpoints + self.steps + self.ledger + self.revocations
 
 
 class AdminQueries:
@@ -306,10 +312,19 @@ class AdminQueries:
         still_open = exists().where(w.c.work_key == lg.c.work_key, w.c.state.in_(OPEN_STATES))
         return and_(lg.c.applied_at < cutoff, ~still_open)
 
+    def _revocations_before(self, cutoff: float) -> Any:
+        """Revocation tombstones recorded before ``cutoff`` whose task id has no open work:
+        the open work of a revoked id (running, its owner alive) still needs its tombstone
+        so that a takeover ends it instead of running it again."""
+        rv, w = self.t.revocations, self.t.work
+        still_open = exists().where(w.c.task_id == rv.c.task_id, w.c.state.in_(OPEN_STATES))
+        return and_(rv.c.created_at < cutoff, ~still_open)
+
     @guarded
-    def prune_counts(self, older_than: float) -> PruneCounts:
+    def prune_counts(self, older_than: float, ledger: bool = False) -> PruneCounts:
         """How many rows :meth:`prune` would delete now (nothing is changed)."""
         w, c, s, lg = self.t.work, self.t.checkpoints, self.t.steps, self.t.ledger
+        rv = self.t.revocations
         with self._read() as conn:
             cutoff = float(conn.execute(select(self.store.dialect.now())).scalar_one()) \
                 - older_than
@@ -322,23 +337,27 @@ class AdminQueries:
                 steps=_count(conn, select(func.count()).select_from(s)
                              .where(s.c.work_key.in_(keys))),
                 ledger=_count(conn, select(func.count()).select_from(lg)
-                              .where(self._ledger_before(cutoff))),
+                              .where(self._ledger_before(cutoff))) if ledger else 0,
+                revocations=_count(conn, select(func.count()).select_from(rv)
+                                   .where(self._revocations_before(cutoff))),
             )
             conn.rollback()
         return counts
 
     @guarded
-    def prune(self, older_than: float, ledger: bool = True,
+    def prune(self, older_than: float, ledger: bool = False,
               batch: int = PRUNE_BATCH) -> PruneCounts:
-        """Delete finished work (done, failed, dead) finished more than ``older_than`` seconds
-        ago with its checkpoint and steps, and (``ledger``) ledger markers as old.
+        """Delete ended work finished more than ``older_than`` seconds ago with its
+        checkpoint and steps, revocation tombstones as old, and, only with ``ledger``,
+        ledger markers as old (a deleted marker no longer guards its effect).
 
         The cutoff is taken once from the database's clock; each batch is one transaction.
         """
         w, c, s, lg = self.t.work, self.t.checkpoints, self.t.steps, self.t.ledger
+        rv = self.t.revocations
         cutoff = self.store.now() - older_than
         lock = self.store.dialect.lock_kwargs()
-        n_work = n_cp = n_steps = n_ledger = 0
+        n_work = n_cp = n_steps = n_ledger = n_rv = 0
         while True:
             with self.store.begin() as conn:
                 keys = [str(k) for k in conn.execute(
@@ -361,7 +380,16 @@ class AdminQueries:
                     n_ledger += conn.execute(delete(lg).where(lg.c.key.in_(keys))).rowcount
             if len(keys) < batch:
                 break
-        return PruneCounts(int(n_work), int(n_cp), int(n_steps), int(n_ledger))
+        while True:
+            with self.store.begin() as conn:
+                keys = [str(k) for k in conn.execute(
+                    select(rv.c.task_id).where(self._revocations_before(cutoff))
+                    .order_by(rv.c.task_id).limit(batch).with_for_update(**lock)).scalars()]
+                if keys:
+                    n_rv += conn.execute(delete(rv).where(rv.c.task_id.in_(keys))).rowcount
+            if len(keys) < batch:
+                break
+        return PruneCounts(int(n_work), int(n_cp), int(n_steps), int(n_ledger), int(n_rv))
 
 
 def _when(cond: Any) -> Any:

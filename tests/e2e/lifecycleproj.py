@@ -1,4 +1,4 @@
-"""The Celery app of the lifecycle e2e tests: one task per Celery outcome (configured by environment).
+"""The Celery app of the lifecycle e2e tests: one task per Celery outcome (configured by env).
 
 RESILIENT_BROKER, RESILIENT_STORE_URL, RESILIENT_TABLE_PREFIX, RESILIENT_QUEUE,
 RESILIENT_EFFECT_LOG, RESILIENT_RESULT_BACKEND (default: the broker when it is Redis, else
@@ -14,7 +14,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery import Celery
@@ -25,6 +25,8 @@ from celery_resilient.testing import EffectLog
 
 NAME = "tests.e2e.lifecycleproj"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/9"
+Define = Callable[..., Any]  # task(name, **options): the app's task decorator
+Ran = Callable[..., None]    # ran(task, **details): records one run of a body
 
 
 def result_backend_for(env: Mapping[str, str]) -> str:
@@ -76,16 +78,18 @@ def create_app(env: Mapping[str, str]) -> Celery:
                        epoch=task.fencing_token, attempt=task.attempt,
                        retries=task.request.retries, **details)
 
-    class ResumeFails(ResumableTask):
-        """A task whose resume hook cannot cope: a resumed attempt must end ``failed``."""
-
-        def on_resume(self, attempt: int) -> None:
-            effects.record(f"resume:{self.request.id}", attempt=attempt)
-            raise RuntimeError(f"cannot resume (attempt {attempt})")
-
     def task(name: str, **options: Any) -> Any:
         return app.task(base=options.pop("base", ResumableTask), bind=True, shared=False,
                         name=f"{NAME}.{name}", **options)
+
+    _body_outcomes(task, ran)
+    _stops_and_limits(task, ran)
+    _deaths(task, ran, effects)
+    return app
+
+
+def _body_outcomes(task: Define, ran: Ran) -> None:
+    """Outcomes the body itself decides: return, raise, retry, Ignore, Reject."""
 
     @task("succeed")
     def succeed(self: ResumableTask, n: int) -> int:
@@ -141,12 +145,22 @@ def create_app(env: Mapping[str, str]) -> Celery:
         ran(self)
         raise Reject("dropped", requeue=False)
 
+
+def _stops_and_limits(task: Define, ran: Ran) -> None:
+    """Outcomes decided outside the body: revoke, expires, time limits."""
+
     @task("sleeper")
     def sleeper(self: ResumableTask, seconds: float, gate: str | None = None) -> str:
         """Sleeps ``seconds`` (or until ``gate`` exists): keeps a concurrency-1 worker busy."""
         ran(self)
         _sleep_until(seconds, gate)
         return "slept"
+
+    @task("expiring", expires=3)
+    def expiring(self: ResumableTask) -> str:
+        """Sent through ``apply_async``, its messages expire 3 s after they were sent."""
+        ran(self)
+        return "ran before it expired"
 
     @task("soft_limit", soft_time_limit=1)
     def soft_limit(self: ResumableTask) -> str:
@@ -160,6 +174,17 @@ def create_app(env: Mapping[str, str]) -> Celery:
         time.sleep(30)  # the pool process is killed after 2 s
         return "not reached"
 
+
+def _deaths(task: Define, ran: Ran, effects: EffectLog) -> None:
+    """Work whose process dies: resumed from its checkpoint, or refused by its resume hook."""
+
+    class ResumeFails(ResumableTask):
+        """A task whose resume hook cannot cope: a resumed attempt must end ``failed``."""
+
+        def on_resume(self, attempt: int) -> None:
+            effects.record(f"resume:{self.request.id}", attempt=attempt)
+            raise RuntimeError(f"cannot resume (attempt {attempt})")
+
     @task("resume_fails", base=ResumeFails)
     def resume_fails(self: ResumableTask, marker: str) -> str:
         """The first attempt SIGKILLs its own pool process; the resumed one never runs."""
@@ -167,12 +192,6 @@ def create_app(env: Mapping[str, str]) -> Celery:
         if _create_marker(marker):
             os.kill(os.getpid(), signal.SIGKILL)
         return "ran again"
-
-    @task("expiring", expires=3)
-    def expiring(self: ResumableTask) -> str:
-        """Sent through ``apply_async`` its messages expire 3 s after they were sent."""
-        ran(self)
-        return "ran before it expired"
 
     @task("checkpointed")
     def checkpointed(self: ResumableTask, rows: int, delay: float) -> dict[str, int]:
@@ -184,8 +203,6 @@ def create_app(env: Mapping[str, str]) -> Celery:
             effects.record(f"row:{self.request.id}:{i}", epoch=self.fencing_token)
             self.checkpoint.save({"row": i + 1})
         return {"rows": rows, "resumed_from": state["row"]}
-
-    return app
 
 
 app = create_app(os.environ)

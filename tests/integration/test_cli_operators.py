@@ -306,14 +306,20 @@ def test_recover_reports_an_orphan_without_a_stored_message(store: Store, app: C
 # -- prune --------------------------------------------------------------------------------
 
 def test_parse_duration() -> None:
-    assert parse_duration("90") == 90
+    assert parse_duration("90s") == 90
     assert parse_duration("15m") == 900
     assert parse_duration("7d") == 7 * 86_400
     assert parse_duration("1d12h") == 36 * 3600
     assert parse_duration("2w") == 14 * 86_400
-    for bad in ("", "0", "7x", "d", "-1d"):
+    # A bare number is refused (it used to mean seconds: "7" meant as days deleted nearly
+    # everything), and so is a number without a unit inside a combined duration.
+    for bad in ("", "0", "0s", "7x", "d", "-1d", "90", "7", "1d12"):
         with pytest.raises(ValueError):
             parse_duration(bad)
+    with pytest.raises(ValueError, match="no unit after 7: write 7s, 7m, 7h, 7d or 7w"):
+        parse_duration("7")
+    with pytest.raises(ValueError, match="unknown unit 'x'"):
+        parse_duration("7x")
 
 
 def test_prune_dry_run_counts_then_deletes_only_old_finished_work(
@@ -338,18 +344,23 @@ def test_prune_dry_run_counts_then_deletes_only_old_finished_work(
     age_ledger(store, "ledger:old-running", 10 * day)  # its work is still open: kept
     age(store, "old-running", 10 * day)
 
-    dry = invoke_json(app, "prune", "--older-than", "7d", "--dry-run")
-    assert dry["would_delete"] == {"work": 3, "checkpoints": 1, "steps": 2, "ledger": 1}
+    # Ledger markers are deleted only with --ledger (the default changed from on to off).
+    dry = invoke_json(app, "prune", "--older-than", "7d", "--dry-run", "--ledger")
+    assert dry["would_delete"] == {"work": 3, "checkpoints": 1, "steps": 2, "ledger": 1,
+                                   "revocations": 0}
     assert store.get_work("old-done") is not None  # nothing deleted
     assert store.load_checkpoint("old-done") is not None
-    assert "would delete 3 finished work" in invoke(
+    assert "would delete 3 ended work" in invoke(
         app, "prune", "--older-than", "7d", "--dry-run").output
 
     no_ledger = invoke_json(app, "prune", "--older-than", "7d", "--dry-run", "--no-ledger")
     assert no_ledger["would_delete"]["ledger"] == 0
+    assert invoke_json(app, "prune", "--older-than", "7d", "--dry-run")["would_delete"][
+        "ledger"] == 0
 
-    done = invoke_json(app, "prune", "--older-than", "7d")
-    assert done["deleted"] == {"work": 3, "checkpoints": 1, "steps": 2, "ledger": 1}
+    done = invoke_json(app, "prune", "--older-than", "7d", "--ledger", "--yes")
+    assert done["deleted"] == {"work": 3, "checkpoints": 1, "steps": 2, "ledger": 1,
+                               "revocations": 0}
     for key in ("old-done", "old-dead", "old-failed"):
         assert store.get_work(key) is None
     assert store.load_checkpoint("old-done") is None
@@ -362,7 +373,7 @@ def test_prune_dry_run_counts_then_deletes_only_old_finished_work(
     assert store.ledger_get("ledger:new-done") == "null"
     assert store.ledger_get("ledger:old-running") == "null"
 
-    assert invoke_json(app, "prune", "--older-than", "7d")["deleted"]["work"] == 0
+    assert invoke_json(app, "prune", "--older-than", "7d", "--yes")["deleted"]["work"] == 0
     assert invoke(app, "prune").exit_code == 2  # --older-than is required
 
 
@@ -378,13 +389,21 @@ def test_prune_works_through_more_than_one_batch(store: Store, app: Celery) -> N
     assert all(store.get_work(k) is None for k in keys)
 
 
-def test_prune_keeps_ledger_markers_with_no_ledger(store: Store, app: Celery) -> None:
+def test_prune_deletes_ledger_markers_only_with_ledger(store: Store, app: Celery) -> None:
+    """Deleting a marker removes the exactly-once guard of its key: never by default."""
     assert store.ledger_put("global:1", None, None, "1")
     age_ledger(store, "global:1", 30 * 86_400)
-    assert invoke_json(app, "prune", "--older-than", "7d", "--no-ledger")["deleted"][
-        "ledger"] == 0
-    assert store.ledger_get("global:1") == "1"
-    assert invoke_json(app, "prune", "--older-than", "7d")["deleted"]["ledger"] == 1
+    finish(store, "old-done")
+    age(store, "old-done", 30 * 86_400)
+    for flags in ((), ("--no-ledger",)):
+        assert invoke_json(app, "prune", "--older-than", "7d", "--yes", *flags)["deleted"][
+            "ledger"] == 0
+        assert store.ledger_get("global:1") == "1"
+    assert store.get_work("old-done") is None  # the work went on the first run
+    human = invoke(app, "prune", "--older-than", "7d", "--yes")
+    assert "ledger markers kept: --ledger deletes them" in human.output
+    deleted = invoke_json(app, "prune", "--older-than", "7d", "--yes", "--ledger")["deleted"]
+    assert deleted == {"work": 0, "checkpoints": 0, "steps": 0, "ledger": 1, "revocations": 0}
     assert store.ledger_get("global:1") is None
 
 
