@@ -1,4 +1,5 @@
-"""``celery resilient status/work/recover/prune/schedule`` against real stores and Redis.
+"""``celery resilient status/work/recover/cancel/retry/forget/prune/schedule`` against real
+stores and Redis.
 
 The commands run in-process through click (so a test can watch the signals they send) on
 stores seeded through the library's own store API, on SQLite and PostgreSQL; one test runs
@@ -22,13 +23,16 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 from kombu import Connection
 from prometheus_client import REGISTRY
-from sqlalchemy import update
+from sqlalchemy import select, update
 
-from celery_resilient import Resilient, messages, signals
+from celery_resilient import Resilient, cli, messages, signals
 from celery_resilient.cli import parse_duration, resilient
+from celery_resilient.errors import WorkStopped
+from celery_resilient.store.admin_queries import AdminQueries
 from celery_resilient.store.contexts import ContextRows
+from celery_resilient.store.operator_queries import OperatorQueries, Selection
 from celery_resilient.store.schedule import ScheduleStore
-from celery_resilient.store.sql import Store
+from celery_resilient.store.sql import Owner, Store
 
 from .helpers import expire, owner, run, take
 
@@ -378,8 +382,6 @@ def test_prune_dry_run_counts_then_deletes_only_old_finished_work(
 
 
 def test_prune_works_through_more_than_one_batch(store: Store, app: Celery) -> None:
-    from celery_resilient.store.admin_queries import AdminQueries
-
     keys = [f"batch-{i}" for i in range(7)]
     for key in keys:
         finish(store, key)
@@ -477,3 +479,397 @@ def test_celery_entry_point_runs_the_operator_commands(
         assert row is not None and row.state == "running"  # read-only commands changed nothing
     finally:
         store.dispose()
+
+
+def test_prune_refuses_a_duration_without_a_unit(store: Store, app: Celery) -> None:
+    finish(store, "old-done")
+    age(store, "old-done", 30 * 86_400)
+    bare = invoke(app, "prune", "--older-than", "7", "--yes")
+    assert bare.exit_code == 2
+    assert "'7' has no unit after 7: write 7s, 7m, 7h, 7d or 7w" in bare.output
+    as_json = invoke(app, "prune", "--older-than", "7", "--yes", "--json")
+    assert as_json.exit_code == 2
+    assert "no unit" in json.loads(as_json.stdout)["error"]
+    missing = invoke(app, "prune", "--json")
+    assert missing.exit_code == 2 and "--older-than is required" in missing.stdout
+    assert store.get_work("old-done") is not None
+
+
+def test_prune_asks_for_confirmation_unless_yes(
+        store: Store, app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    finish(store, "old-done")
+    age(store, "old-done", 30 * 86_400)
+
+    batch = invoke(app, "prune", "--older-than", "7d")  # CliRunner's stdin is no terminal
+    assert batch.exit_code == 1
+    assert "stdin is not a terminal: nothing was changed. Pass --yes" in batch.output
+    assert store.get_work("old-done") is not None
+
+    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    refused = invoke_with_input(app, "n\n", "prune", "--older-than", "7d")
+    assert refused.exit_code == 1
+    assert "delete 1 ended work" in refused.output and "older than 7.0d?" in refused.output
+    assert "not confirmed: nothing was changed" in refused.output
+    assert store.get_work("old-done") is not None
+    no_answer = invoke_with_input(app, "", "prune", "--older-than", "7d")
+    assert no_answer.exit_code == 1 and store.get_work("old-done") is not None
+
+    confirmed = invoke_with_input(app, "y\n", "prune", "--older-than", "7d", "--json")
+    assert confirmed.exit_code == 0, confirmed.output
+    assert json.loads(confirmed.stdout)["deleted"]["work"] == 1  # the prompt is on stderr
+    assert store.get_work("old-done") is None
+
+
+def test_prune_deletes_old_revocation_tombstones_but_not_those_of_open_work(
+        store: Store, app: Celery) -> None:
+    rv = store.t.revocations
+    run(store, "k-open", owner(), task_id="t-open")  # running: its tombstone still matters
+    store.record_revocations(["t-old", "t-open", "t-new"])
+    past = store.now() - 30 * 86_400
+    with store.begin() as conn:
+        conn.execute(update(rv).where(rv.c.task_id.in_(["t-old", "t-open"]))
+                     .values(created_at=past))
+
+    dry = invoke_json(app, "prune", "--older-than", "7d", "--dry-run")
+    assert dry["would_delete"]["revocations"] == 1
+    assert invoke_json(app, "prune", "--older-than", "7d", "--yes")["deleted"][
+        "revocations"] == 1
+    assert tombstones(store) == {"t-open", "t-new"}
+
+
+# -- cancel, retry, forget ----------------------------------------------------------------
+
+def invoke_with_input(app: Celery, text: str, *args: str) -> Result:
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
+    return CliRunner().invoke(resilient, list(args), obj=obj, input=text,
+                              catch_exceptions=False)
+
+
+def tombstones(store: Store) -> set[str]:
+    rv = store.t.revocations
+    with store.engine.connect() as conn:
+        found = {str(x) for x in conn.execute(select(rv.c.task_id)).scalars()}
+        conn.rollback()
+    return found
+
+
+def state_of(store: Store, key: str) -> str | None:
+    row = store.get_work(key)
+    return None if row is None else row.state
+
+
+def received(store: Store, key: str, queue: str, who: Owner | None = None) -> None:
+    """A delivery a worker recorded (reserved), with its message routed to ``queue``."""
+    store.record_receipt(key, "proj.job", key, None, stored_message(key, queue),
+                         who or owner("w@host"), 300)
+
+
+def ended(store: Store, key: str, state: str, queue: str) -> None:
+    """Work in the ended ``state``, made the way the library makes it."""
+    received(store, key, queue)
+    if state == "revoked":
+        store.record_revocations([key])
+    elif state == "expired":
+        store.end_request(key, "expired", "expired before it ran")
+    elif state == "cancelled":
+        OperatorQueries(store).cancel(Selection(keys=(key,)))
+    else:
+        claim = run(store, key, owner(), task_id=key)
+        if state == "done":
+            store.finish(key, claim.epoch, '"ok"')
+        else:
+            store.fail(key, claim.epoch, f"{state}: boom", state=state)
+    assert state_of(store, key) == state
+
+
+@pytest.fixture
+def broker_app(store: Store, redis_url: str) -> Iterator[Celery]:
+    made = make_app(store, redis_url)
+    yield made
+    made.close()
+
+
+def drain(queue: Any) -> list[Any]:
+    got = []
+    while True:
+        try:
+            message = queue.get(block=False)
+        except queue.Empty:
+            return got
+        got.append(message)
+        message.ack()
+
+
+def test_cancel_of_a_running_claim_stops_its_next_fenced_write(
+        store: Store, app: Celery) -> None:
+    claim = run(store, "k-run", owner("w1@host"))
+    store.save_checkpoint("k-run", claim.epoch, '{"row": 1}')
+
+    data = invoke_json(app, "cancel", "k-run", "--reason", "bad input file")
+    assert [(c["work_key"], c["previous_state"], c["owner"]) for c in data["changed"]] == [
+        ("k-run", "running", "w1@host")]
+    assert data["refused"] == []
+    row = store.get_work("k-run")
+    assert row is not None
+    assert (row.state, row.epoch, row.lease_expires_at) == ("cancelled", claim.epoch, None)
+    assert row.error == "cancelled by operator: bad input file"
+    detail = AdminQueries(store).work_detail("k-run")
+    assert detail is not None and detail.work.finished_at is not None
+
+    with pytest.raises(WorkStopped, match="was cancelled while epoch"):
+        store.save_checkpoint("k-run", claim.epoch, '{"row": 2}')
+    with pytest.raises(WorkStopped):
+        store.put_step("k-run", claim.epoch, "notify", '"sent"')
+    with pytest.raises(WorkStopped):
+        store.finish("k-run", claim.epoch, '"result"')
+    assert store.load_checkpoint("k-run") == ('{"row": 1}', 1)  # the refused save changed nothing
+    assert state_of(store, "k-run") == "cancelled"
+    # The sweeper never takes it back, and a copy of its message runs nothing.
+    assert store.claim_orphans(owner("sweeper@host"), 10, 60) == []
+    again = take(store, "k-run", owner("w2@host"))
+    assert (again.action, again.reason) == ("stopped", "cancelled")
+
+
+def test_cancel_refuses_ended_and_unknown_work_and_exits_non_zero(
+        store: Store, app: Celery, queue_name: str) -> None:
+    received(store, "k-reserved", queue_name)
+    finish(store, "k-done")
+    result = invoke(app, "cancel", "k-reserved", "k-done", "k-missing", "--json")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert [c["work_key"] for c in data["changed"]] == ["k-reserved"]
+    reasons = {r["work_key"]: (r["state"], r["reason"]) for r in data["refused"]}
+    assert reasons["k-done"][0] == "done" and "already ended" in reasons["k-done"][1]
+    assert reasons["k-missing"] == (None, "no such work in the store")
+    assert state_of(store, "k-reserved") == "cancelled"
+    assert state_of(store, "k-done") == "done"
+    row = store.get_work("k-reserved")
+    assert row is not None and row.error == "cancelled by operator"
+
+    human = invoke(app, "cancel", "k-done")
+    assert human.exit_code == 1
+    assert "cancelled 0 unit(s) of work" in human.output and "refused 1:" in human.output
+
+
+def test_cancel_filter_by_state_task_and_age(store: Store, app: Celery,
+                                             queue_name: str) -> None:
+    received(store, "a-old", queue_name)
+    received(store, "a-new", queue_name)
+    run(store, "b-run", owner())
+    finish(store, "a-done")
+    age(store, "a-old", 3 * 3600)
+    age(store, "a-done", 3 * 3600)
+
+    dry = invoke_json(app, "cancel", "--older-than", "1h", "--dry-run")
+    assert [c["work_key"] for c in dry["would_change"]] == ["a-old"]  # done is not open
+    assert {c["work_key"] for c in invoke_json(
+        app, "cancel", "--state", "reserved", "--dry-run")["would_change"]} == {"a-old",
+                                                                                 "a-new"}
+    assert [c["work_key"] for c in invoke_json(
+        app, "cancel", "--task", "proj.task", "--dry-run")["would_change"]] == ["b-run"]
+    # A named key must match the filter too.
+    both = invoke(app, "cancel", "a-new", "--older-than", "1h", "--dry-run", "--json")
+    assert both.exit_code == 1
+    assert "does not match the filter" in json.loads(both.stdout)["refused"][0]["reason"]
+    assert {k: state_of(store, k) for k in ("a-old", "a-new", "b-run")} == {
+        "a-old": "reserved", "a-new": "reserved", "b-run": "running"}  # dry runs
+
+    done = invoke_json(app, "cancel", "--state", "reserved", "--older-than", "1h", "--yes")
+    assert [c["work_key"] for c in done["changed"]] == ["a-old"]
+    assert state_of(store, "a-old") == "cancelled" and state_of(store, "a-new") == "reserved"
+
+
+def test_selection_errors_are_usage_errors_and_json_with_json(
+        store: Store, app: Celery) -> None:
+    for args, why in ((("cancel",), "name work keys or give a filter"),
+                      (("cancel", "--state", "done"), "cancel applies to work in"),
+                      (("retry", "--state", "done"), "retry applies to work in"),
+                      (("forget", "--state", "running"), "forget applies to work in"),
+                      (("forget", "--state", "nonsense"), "unknown state"),
+                      (("retry", "--older-than", "3"), "no unit")):
+        human = invoke(app, *args)
+        assert human.exit_code == 2, (args, human.output)
+        assert why in human.output, (args, human.output)
+        machine = invoke(app, *args, "--json")
+        assert machine.exit_code == 2
+        assert why in json.loads(machine.stdout)["error"], args
+
+
+def test_a_filter_asks_for_confirmation_and_a_no_changes_nothing(
+        store: Store, app: Celery, queue_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    received(store, "k-1", queue_name)
+    received(store, "k-2", queue_name)
+
+    batch = invoke(app, "cancel", "--state", "reserved")
+    assert batch.exit_code == 1
+    assert "cancel with a filter asks for confirmation, and stdin is not a terminal" in \
+        batch.output
+    assert "Pass --yes" in batch.output
+    machine = invoke(app, "cancel", "--state", "reserved", "--json")
+    assert machine.exit_code == 1 and "--yes" in json.loads(machine.stdout)["error"]
+    assert {state_of(store, k) for k in ("k-1", "k-2")} == {"reserved"}
+
+    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    refused = invoke_with_input(app, "n\n", "cancel", "--state", "reserved")
+    assert refused.exit_code == 1
+    assert "would cancel 2 unit(s) of work" in refused.output  # what the question is about
+    assert "cancel 2 unit(s) of work (state reserved)? [y/N]" in refused.output
+    assert "not confirmed: nothing was changed" in refused.output
+    assert {state_of(store, k) for k in ("k-1", "k-2")} == {"reserved"}
+
+    received(store, "k-3", queue_name)
+    confirmed = invoke_with_input(app, "y\n", "forget", "--state", "cancelled", "--json")
+    assert confirmed.exit_code == 0 and json.loads(confirmed.stdout)["changed"] == []
+
+    # Named keys need no confirmation; what is confirmed is what was listed.
+    assert invoke(app, "cancel", "k-1").exit_code == 0
+    confirmed = invoke_with_input(app, "y\n", "cancel", "--state", "reserved", "--json")
+    assert confirmed.exit_code == 0, confirmed.output
+    assert sorted(c["work_key"] for c in json.loads(confirmed.stdout)["changed"]) == [
+        "k-2", "k-3"]
+
+
+@pytest.mark.parametrize("state", ["failed", "ignored", "revoked", "expired", "cancelled",
+                                   "dead"])
+def test_retry_requeues_ended_work_and_sends_its_message_again(
+        store: Store, broker_app: Celery, queue_name: str, broker_queue: Any,
+        state: str) -> None:
+    key = f"k-{state}"
+    if state == "dead":
+        received(store, key, queue_name, owner("gone@host"))
+        run(store, key, owner("gone@host"), task_id=key)
+        expire(store, key)
+        assert take(store, key, owner("other@host"), task_id=key,
+                    max_attempts=1).action == "dead"
+    else:
+        ended(store, key, state, queue_name)
+    before = store.get_work(key)
+    assert before is not None
+
+    data = invoke_json(broker_app, "retry", key)
+    assert [(c["work_key"], c["previous_state"]) for c in data["changed"]] == [(key, state)]
+    assert data["refused"] == [] and data["not_sent"] == []
+    row = store.get_work(key)
+    assert row is not None
+    assert (row.state, row.deaths, row.republished, row.error) == ("requeued", 0, 0, None)
+    assert (row.attempts, row.epoch) == (before.attempts, before.epoch)
+    assert row.owner_node is None
+    assert row.lease_expires_at is not None and row.lease_expires_at > store.now()
+    detail = AdminQueries(store).work_detail(key)
+    assert detail is not None and detail.work.finished_at is None
+    sent = drain(broker_queue)
+    assert [(m.headers["id"], m.headers["resilient_republished"]) for m in sent] == [(key, 1)]
+    assert tombstones(store) == set()
+
+    again = take(store, key, owner("w2@host"), task_id=key)
+    assert again.action == "run" and again.claim is not None
+    assert again.claim.epoch == before.epoch + 1
+
+
+def test_retry_of_revoked_work_removes_its_tombstone_so_a_later_take_runs_it(
+        store: Store, broker_app: Celery, queue_name: str, broker_queue: Any) -> None:
+    received(store, "k-rev", queue_name)
+    assert store.record_revocations(["k-rev"]) == 1
+    assert tombstones(store) == {"k-rev"}
+    stopped = take(store, "k-rev", owner(), task_id="k-rev")
+    assert (stopped.action, stopped.reason) == ("stopped", "revoked")
+
+    dry = invoke_json(broker_app, "retry", "k-rev", "--dry-run")
+    assert [c["work_key"] for c in dry["would_change"]] == ["k-rev"]
+    assert tombstones(store) == {"k-rev"} and state_of(store, "k-rev") == "revoked"
+    assert drain(broker_queue) == []
+
+    assert invoke_json(broker_app, "retry", "k-rev")["changed"][0]["previous_state"] == \
+        "revoked"
+    assert tombstones(store) == set()
+    assert [m.headers["id"] for m in drain(broker_queue)] == ["k-rev"]
+    outcome = take(store, "k-rev", owner(), task_id="k-rev")
+    assert outcome.action == "run"
+
+
+def test_retry_refuses_done_open_and_messageless_work(
+        store: Store, broker_app: Celery, queue_name: str, broker_queue: Any) -> None:
+    ended(store, "k-done", "done", queue_name)
+    received(store, "k-open", queue_name)
+    nomsg = run(store, "k-nomsg", owner())  # taken without a receipt: no stored message
+    store.fail("k-nomsg", nomsg.epoch, "boom")
+    before = {k: store.get_work(k) for k in ("k-done", "k-open", "k-nomsg")}
+
+    result = invoke(broker_app, "retry", "k-done", "k-open", "k-nomsg", "--json")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert data["changed"] == []
+    reasons = {r["work_key"]: r["reason"] for r in data["refused"]}
+    assert "it is done" in reasons["k-done"]
+    assert "still open (reserved)" in reasons["k-open"]
+    assert "no broker message is stored" in reasons["k-nomsg"]
+    assert {k: store.get_work(k) for k in before} == before
+    assert drain(broker_queue) == []
+
+    by_filter = invoke(broker_app, "retry", "--state", "failed", "--yes", "--json")
+    assert by_filter.exit_code == 1  # the filter found it, and it was refused
+    assert [r["work_key"] for r in json.loads(by_filter.stdout)["refused"]] == ["k-nomsg"]
+
+
+def test_retry_drops_the_expiry_of_the_message_it_sends(
+        store: Store, broker_app: Celery, queue_name: str, broker_queue: Any) -> None:
+    message = json.loads(stored_message("k-exp", queue_name))
+    message["headers"]["expires"] = "2001-01-01T00:00:00+00:00"
+    store.record_receipt("k-exp", "proj.job", "k-exp", None, json.dumps(message),
+                         owner(), 300)
+    store.end_request("k-exp", "expired", "expired before it ran")
+
+    assert invoke_json(broker_app, "retry", "k-exp")["changed"][0]["work_key"] == "k-exp"
+    [sent] = drain(broker_queue)
+    assert sent.headers["id"] == "k-exp" and sent.headers["expires"] is None
+    stored = store.get_message("k-exp")  # what the sweeper would send again is the same
+    assert stored is not None and json.loads(stored)["headers"]["expires"] is None
+
+
+def test_forget_deletes_ended_work_with_checkpoint_and_steps_but_keeps_ledger(
+        store: Store, app: Celery, queue_name: str) -> None:
+    claim = run(store, "k-failed", owner())
+    store.save_checkpoint("k-failed", claim.epoch, '{"row": 4}')
+    store.put_step("k-failed", claim.epoch, "s1", "1")
+    assert store.ledger_put("charge:k-failed", "k-failed", claim.epoch, '"r-1"')
+    store.fail("k-failed", claim.epoch, "boom")
+    received(store, "k-open", queue_name)
+
+    dry = invoke_json(app, "forget", "k-failed", "--dry-run")
+    assert (dry["checkpoints"], dry["steps"]) == (1, 1)
+    assert [c["work_key"] for c in dry["would_change"]] == ["k-failed"]
+    assert store.get_work("k-failed") is not None and store.load_checkpoint("k-failed")
+
+    result = invoke(app, "forget", "k-failed", "k-open", "--json")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert [c["work_key"] for c in data["changed"]] == ["k-failed"]
+    assert (data["checkpoints"], data["steps"]) == (1, 1)
+    assert [(r["work_key"], r["state"]) for r in data["refused"]] == [("k-open", "reserved")]
+    assert "still open" in data["refused"][0]["reason"]
+    assert store.get_work("k-failed") is None
+    assert store.load_checkpoint("k-failed") is None
+    assert store.get_step("k-failed", "s1") is None
+    assert store.ledger_get("charge:k-failed") == '"r-1"'  # exactly-once still holds
+    assert state_of(store, "k-open") == "reserved"
+
+    human = invoke(app, "forget", "--state", "failed", "--yes")
+    assert "forgot 0 unit(s) of work with 0 checkpoints and 0 steps (ledger markers kept)" \
+        in human.output
+
+
+def test_dry_runs_change_nothing(store: Store, broker_app: Celery, queue_name: str,
+                                 broker_queue: Any) -> None:
+    received(store, "k-open", queue_name)
+    ended(store, "k-failed", "failed", queue_name)
+    ended(store, "k-rev", "revoked", queue_name)
+    rows = {k: store.get_work(k) for k in ("k-open", "k-failed", "k-rev")}
+    for args in (("cancel", "--state", "reserved"), ("retry", "--state", "failed"),
+                 ("retry", "k-rev"), ("forget", "--state", "failed"),
+                 ("forget", "k-failed", "k-rev")):
+        result = invoke(broker_app, *args, "--dry-run")
+        assert result.exit_code == 0, (args, result.output)
+        assert "would " in result.output
+    assert {k: store.get_work(k) for k in rows} == rows
+    assert tombstones(store) == {"k-rev"}
+    assert drain(broker_queue) == []
