@@ -34,6 +34,7 @@ class Resilient:
         self._schema_ready = False
         self._lock = threading.Lock()
         self.receipts = receipts.ReceiptBuffer()
+        self.held = receipts.HeldRequests()
         self.outcomes = outcomes.OutcomeBuffer(self.receipts.arrived)
         setattr(app, _ATTR, self)
         from .worker import ResilientWorkerStep

@@ -89,12 +89,33 @@ def on_task_revoked(rt: Resilient, request: Any, terminated: bool, expired: bool
 
 
 class ResumableRequest(Request):  # type: ignore[misc]
-    """The main process's request of a ResumableTask: a hard time limit ends the work.
+    """The main process's request of a ResumableTask.
 
-    Without this, the pool process killed at its hard limit looks like a dead worker: the
-    claim would be re-published and the task re-run, although the caller already got
-    ``TimeLimitExceeded``. A time limit is the task's own failure, as in Celery.
+    A hard time limit ends the work: without this, the pool process killed at its hard limit
+    looks like a dead worker, and the claim would be re-published and the task re-run,
+    although the caller already got ``TimeLimitExceeded``. A time limit is the task's own
+    failure, as in Celery. Acknowledging or rejecting the message releases it from the
+    worker's held requests, so the heartbeat stops renewing a claim nobody holds.
     """
+
+    def acknowledge(self) -> None:
+        was = self.acknowledged
+        super().acknowledge()
+        self._released(was)
+
+    def reject(self, requeue: bool = False) -> None:
+        was = self.acknowledged
+        super().reject(requeue)
+        self._released(was)
+
+    def _released(self, was_acknowledged: bool) -> None:
+        if was_acknowledged or not self.acknowledged:
+            return
+        from .app import Resilient
+
+        rt = Resilient.enabled_on(self.task.app)
+        if rt is not None:
+            rt.held.release(self.id)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         from celery.worker.state import should_terminate

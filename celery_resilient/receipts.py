@@ -65,12 +65,49 @@ class ReceiptBuffer:
         return len(self._items)
 
 
+class HeldRequests:
+    """Task ids of the resumable messages this worker holds (received, not yet acked).
+
+    A count per id: a retry or a store-outage re-send reuses the task id, and the copy may be
+    received before the original is acknowledged. The heartbeat renews only claims whose
+    message is still held here; any other claim of this worker (its message was acked or
+    rejected without ending the work) lapses and the sweeper re-publishes it.
+    """
+
+    #: Above this many held ids the heartbeat renews every claim (one IN list stays small).
+    MAX_FILTER = 10_000
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, task_id: str) -> None:
+        with self._lock:
+            self._counts[task_id] = self._counts.get(task_id, 0) + 1
+
+    def release(self, task_id: str) -> None:
+        with self._lock:
+            left = self._counts.get(task_id, 0) - 1
+            if left > 0:
+                self._counts[task_id] = left
+            else:
+                self._counts.pop(task_id, None)
+
+    def snapshot(self) -> frozenset[str] | None:
+        """The held ids, or None when there are too many to filter by."""
+        with self._lock:
+            if len(self._counts) > self.MAX_FILTER:
+                return None
+            return frozenset(self._counts)
+
+
 def record_received(rt: Resilient, request: Any) -> None:
     from .task import ResumableTask
 
     task = request.task
     if not isinstance(task, ResumableTask):
         return
+    rt.held.add(request.id)
     msg = request.message
     try:
         key = workkey.derive(task, request.id, request.args, request.kwargs, msg.headers)

@@ -70,7 +70,8 @@ class Maintainer(threading.Thread):
                 self.rt.outcomes.flush(self.rt)
                 self.revokes.flush(self.rt)
                 if now >= next_heartbeat:
-                    self.rt.store.heartbeat(self.owner, cfg.lease_seconds, identity.pid_alive)
+                    self.rt.store.heartbeat(self.owner, cfg.lease_seconds, identity.pid_alive,
+                                            self.rt.held.snapshot())
                     next_heartbeat = now + cfg.heartbeat_interval
                 if now >= next_sweep:
                     recovery.sweep(self.rt, self.owner)

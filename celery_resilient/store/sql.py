@@ -631,18 +631,27 @@ class Store:
 
     @guarded
     def heartbeat(self, owner: Owner, lease_seconds: float,
-                  pid_alive: Callable[[int | None], bool] | None = None) -> int:
+                  pid_alive: Callable[[int | None], bool] | None = None,
+                  held: frozenset[str] | None = None) -> int:
         """Renew every lease this incarnation holds, in one statement; return how many.
 
         With ``pid_alive``, a running claim whose pool process is gone (a SIGKILLed prefork
         child) is not renewed: its lease ends now and the sweeper re-publishes it. Renewing it
         would keep a dead execution's claim alive as long as the main process lives, and the
         copy Celery requeues for it would be skipped as "held" by any other worker.
+
+        With ``held`` (the task ids whose messages the worker still holds), a reserved claim
+        whose message it acked or rejected without the work ending (a store-outage re-send
+        that vanished, say) is not renewed either: the sweeper re-publishes it at its lease.
         """
         w, wk = self.t.work, self.t.workers
         now = self.dialect.now()
         with self.begin() as conn:
-            mine = and_(w.c.incarnation == owner.incarnation, w.c.state.in_((RESERVED, RUNNING)))
+            reserved = w.c.state == RESERVED
+            if held is not None:
+                reserved = and_(reserved, w.c.task_id.in_(sorted(held)))
+            mine = and_(w.c.incarnation == owner.incarnation,
+                        or_(w.c.state == RUNNING, reserved))
             dead: list[int] = []
             if pid_alive is not None:
                 pids = conn.execute(select(w.c.owner_pid).distinct().where(

@@ -1,9 +1,12 @@
 """Read-only admin views of the store: work, checkpoints, beat slots, contexts, workers.
 
-Nothing here writes a row. The one operator action, re-publishing dead or stuck work, calls
-:func:`celery_resilient.operations.republish`, which refuses work running under a live lease
-and says why. Lease times are shown against this web server's clock; the store judges leases
-by the database's clock, so a skewed web server shows them a little off.
+Nothing here writes a row itself. The operator actions on work call
+:mod:`celery_resilient.operations`, which checks every row again under its lock and says
+why it refuses one: re-publish dead or stuck work, cancel open work, retry ended work,
+forget ended work. Each action needs its own permission (``republish_work``,
+``cancel_work``, ``retry_work``, ``forget_work``); a user without it does not see it. Lease
+times are shown against this web server's clock; the store judges leases by the database's
+clock, so a skewed web server shows them a little off.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from ...operations import RepublishRefused, republish
+from ... import operations
+from ...operations import ActionReport, RepublishRefused, Selection, republish
 from .conf import runtime
 from .models import (
     Checkpoint,
@@ -129,7 +133,7 @@ class WorkAdmin(ReadOnlyAdmin):
     list_filter = ("state", LeaseFilter, "task_name", "owner_node")
     search_fields = ("work_key", "task_id", "task_name")
     list_select_related = ("checkpoint",)
-    actions = ["republish_selected"]
+    actions = ["republish_selected", "cancel_selected", "retry_selected", "forget_selected"]
     fields = ("work_key", "task_name", "task_id", "state", "epoch", "owner_node",
               "incarnation", "owner_pid", "lease", "attempts", "deaths", "republished",
               "created", "updated", "finished", "error", "last_checkpoint",
@@ -172,9 +176,20 @@ class WorkAdmin(ReadOnlyAdmin):
     def message(self, obj: Work) -> str:
         return _pretty(obj.message_json)
 
+    def _may(self, request: HttpRequest, codename: str) -> bool:
+        return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
+
     def has_republish_permission(self, request: HttpRequest) -> bool:
-        opts = self.opts
-        return bool(request.user.has_perm(f"{opts.app_label}.republish_work"))
+        return self._may(request, "republish_work")
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "cancel_work")
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "retry_work")
+
+    def has_forget_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "forget_work")
 
     @action(description="Re-publish selected dead or stuck work",
                   permissions=["republish"])
@@ -199,6 +214,56 @@ class WorkAdmin(ReadOnlyAdmin):
             self.message_user(request, f"re-published {len(sent)} unit(s) of work: "
                               + ", ".join(sent[:20]) + (" ..." if len(sent) > 20 else ""),
                               messages.SUCCESS)
+
+
+    @action(description="Cancel selected open work (running work stops at its next write)",
+            permissions=["cancel"])
+    def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        who = request.user.get_username() or "an admin user"
+        self._operate(request, queryset, "cancel", lambda rt, sel: operations.cancel(
+            rt, sel, reason=f"by {who} in the Django admin"))
+
+    @action(description="Retry selected ended work (send it again with its task id)",
+            permissions=["retry"])
+    def retry_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        self._operate(request, queryset, "retry", operations.retry)
+
+    @action(description="Forget selected ended work (delete it; ledger markers stay)",
+            permissions=["forget"])
+    def forget_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        self._operate(request, queryset, "forget", operations.forget)
+
+    def _operate(self, request: HttpRequest, queryset: QuerySet[Any], verb: str,
+                 act: Callable[[Any, Selection], ActionReport]) -> None:
+        """Run one operator action on the selected keys and report it, refusals included."""
+        try:
+            rt = runtime()
+        except ImproperlyConfigured as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            return
+        keys = tuple(str(k) for k in queryset.values_list("work_key", flat=True))
+        try:
+            report = act(rt, Selection(keys=keys))
+        except Exception as exc:  # store down: report it, don't error the page
+            self.message_user(request, f"{verb} failed: {exc}", messages.ERROR)
+            return
+        for r in report.refused:
+            self.message_user(request, f"cannot {verb} {r.work_key!r}: {r.reason}",
+                              messages.WARNING)
+        for key, error in report.unsent:
+            self.message_user(request, f"{key!r} was re-queued but its message was not sent "
+                              f"({error}); a worker's sweep sends it after "
+                              "resilient_submit_timeout", messages.ERROR)
+        if report.changed:
+            done = [t.work_key for t in report.changed]
+            extra = (f" with {report.checkpoints} checkpoint(s) and {report.steps} step(s); "
+                     "their ledger markers are kept" if verb == "forget" else "")
+            self.message_user(request, f"{_PAST[verb]} {len(done)} unit(s) of work{extra}: "
+                              + ", ".join(done[:20]) + (" ..." if len(done) > 20 else ""),
+                              messages.SUCCESS)
+
+
+_PAST = {"cancel": "cancelled", "retry": "retried", "forget": "forgot"}
 
 
 def _checkpoint(obj: Work) -> Checkpoint | None:

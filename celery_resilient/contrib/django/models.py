@@ -2,11 +2,11 @@
 
 The store owns its schema (``manage.py resilient_migrate`` runs its Alembic migrations);
 Django never creates, alters or migrates these tables (``managed = False``), and the admin
-never writes them: the one change an operator can make, re-publishing dead or stuck work,
-goes through :func:`celery_resilient.operations.republish`. The table names follow
-``CELERY_RESILIENT_TABLE_PREFIX`` (``resilient_`` by default), read when this module is
-imported. They are queried through Django's ``default`` database, so the admin shows the
-store only when the store lives in that database.
+never writes them itself: the changes an operator can make (re-publish, cancel, retry,
+forget) go through :mod:`celery_resilient.operations`, each behind its own permission.
+The table names follow ``CELERY_RESILIENT_TABLE_PREFIX`` (``resilient_`` by default), read
+when this module is imported. They are queried through Django's ``default`` database, so
+the admin shows the store only when the store lives in that database.
 
 Times are stored as float seconds since the epoch (by the database's clock); the ``*_dt``
 properties give aware datetimes for display.
@@ -60,7 +60,10 @@ class Work(models.Model):  # type: ignore[misc]
         verbose_name_plural = "work"
         ordering = ["-updated_at"]
         default_permissions = ("view",)
-        permissions = [("republish_work", "Can re-publish dead or stuck work")]
+        permissions = [("republish_work", "Can re-publish dead or stuck work"),
+                       ("cancel_work", "Can cancel open work"),
+                       ("retry_work", "Can retry ended work"),
+                       ("forget_work", "Can forget (delete) ended work")]
 
     def __str__(self) -> str:
         return str(self.work_key)
