@@ -1,4 +1,5 @@
-"""``operations.republish``: an operator re-sends dead or stuck work, on purpose.
+"""``operations.republish`` (an operator re-sends dead or stuck work, on purpose), and how it
+hands work that ended by its own request over to ``operations.retry``.
 
 Against real stores (SQLite and PostgreSQL) and a real Redis broker; the last test lets a
 real worker run work that was parked as dead, once, after it is re-published.
@@ -6,6 +7,7 @@ real worker run work that was parked as dead, once, after it is re-published.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +16,14 @@ from celery import Celery
 from kombu import Connection
 
 from celery_resilient import Resilient, messages
-from celery_resilient.operations import RepublishRefused, republish
+from celery_resilient.operations import (
+    RepublishRefused,
+    Selection,
+    cancel,
+    republish,
+    retry,
+    without_expiry,
+)
 from celery_resilient.store.sql import Owner, Store
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.plugin import NodeFactory
@@ -88,6 +97,39 @@ def test_failed_work_and_work_without_a_message_are_refused(
                is_live=lambda *_: False)
     with pytest.raises(RepublishRefused, match="no broker message is stored"):
         republish(runtime, "ops-nomsg")
+
+
+def test_work_ended_by_its_request_is_refused_with_a_pointer_to_retry(
+        runtime: Resilient, store: Store, queue_name: str, redis_url: str) -> None:
+    helpers.revoked(store, "ops-revoked", queue_name)
+    helpers.reserved(store, "ops-cancelled", queue_name)
+    cancel(runtime, Selection(keys=("ops-cancelled",)))
+    for key, state in (("ops-revoked", "revoked"), ("ops-cancelled", "cancelled")):
+        before = store.get_work(key)
+        with pytest.raises(RepublishRefused, match=rf"ended as {state} .*use retry"):
+            republish(runtime, key)
+        assert store.get_work(key) == before
+    assert _drain(redis_url, queue_name) == []
+
+    report = retry(runtime, Selection(keys=("ops-revoked", "ops-cancelled")))
+    assert report.ok and [t.previous_state for t in report.changed] == ["revoked", "cancelled"]
+    assert sorted(h["id"] for h in _drain(redis_url, queue_name)) == [
+        "ops-cancelled", "ops-revoked"]
+
+
+def test_without_expiry_drops_the_deadline_in_both_stored_forms() -> None:
+    app = Celery("ops-expiry", set_as_current=False)
+    call_form = messages.from_signature(app.signature(
+        "proj.job", args=(1,), options={"expires": 30, "task_id": "t-1"}))
+    assert call_form is not None
+    dropped = json.loads(without_expiry(call_form))
+    assert dropped["signature"]["options"] == {"task_id": "t-1"}
+    headers = json.loads(helpers.message("t-2", "q"))
+    headers["headers"]["expires"] = "2001-01-01T00:00:00+00:00"
+    assert json.loads(without_expiry(json.dumps(headers)))["headers"]["expires"] is None
+    plain = helpers.message("t-3", "q")
+    assert without_expiry(plain) == plain  # nothing to drop: the exact stored text
+    app.close()
 
 
 def test_refused_exception_survives_pickling() -> None:

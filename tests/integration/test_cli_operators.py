@@ -464,7 +464,8 @@ def test_celery_entry_point_runs_the_operator_commands(
         def celery(*args: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.e2e.proj",
                                    "resilient", *args], env=env, cwd=request.config.rootpath,
-                                  capture_output=True, text=True, timeout=60, check=False)
+                                  capture_output=True, text=True, timeout=60, check=False,
+                                  stdin=subprocess.DEVNULL)  # as from cron: no terminal
 
         status = celery("status")
         assert status.returncode == 0, status.stderr
@@ -477,6 +478,19 @@ def test_celery_entry_point_runs_the_operator_commands(
         assert json.loads(shown.stdout)["state"] == "running"
         row = store.get_work("k-entry")
         assert row is not None and row.state == "running"  # read-only commands changed nothing
+
+        unconfirmed = celery("cancel", "--state", "running")
+        assert unconfirmed.returncode == 1
+        assert "stdin is not a terminal: nothing was changed" in unconfirmed.stderr
+        bare = celery("prune", "--older-than", "7")
+        assert bare.returncode == 2 and "has no unit" in bare.stderr
+        row = store.get_work("k-entry")
+        assert row is not None and row.state == "running"
+        cancelled = celery("cancel", "--state", "running", "--yes", "--json")
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert [c["work_key"] for c in json.loads(cancelled.stdout)["changed"]] == ["k-entry"]
+        row = store.get_work("k-entry")
+        assert row is not None and row.state == "cancelled"
     finally:
         store.dispose()
 
@@ -873,3 +887,38 @@ def test_dry_runs_change_nothing(store: Store, broker_app: Celery, queue_name: s
     assert {k: store.get_work(k) for k in rows} == rows
     assert tombstones(store) == {"k-rev"}
     assert drain(broker_queue) == []
+
+
+def test_filters_work_through_batches_past_refused_rows(store: Store, queue_name: str) -> None:
+    for i in range(5):
+        ended(store, f"k-{i}", "failed", queue_name)
+    for i in range(3):  # failed without a stored message: refused, yet still matching
+        claim = run(store, f"k-nomsg-{i}", owner())
+        store.fail(f"k-nomsg-{i}", claim.epoch, "boom")
+    batches: list[list[str]] = []
+    report = OperatorQueries(store, batch=2).retry(
+        Selection(states=("failed",)), 60, on_batch=lambda b: batches.append(
+            [t.work_key for t in b]))
+    assert sorted(t.work_key for t in report.changed) == [f"k-{i}" for i in range(5)]
+    assert sorted(r.work_key for r in report.refused) == [f"k-nomsg-{i}" for i in range(3)]
+    assert sum(len(b) for b in batches) == 5 and max(len(b) for b in batches) <= 2
+    forgotten = OperatorQueries(store, batch=3).forget(Selection(states=("failed",)))
+    assert sorted(t.work_key for t in forgotten.changed) == [f"k-nomsg-{i}" for i in range(3)]
+    assert store.count_by_state() == {"requeued": 5}
+
+
+def test_retry_with_the_broker_down_leaves_the_work_requeued_for_the_sweep(
+        store: Store, queue_name: str) -> None:
+    ended(store, "k-failed", "failed", queue_name)
+    down = make_app(store, "redis://127.0.0.1:1/0")
+    try:
+        result = invoke(down, "retry", "k-failed", "--json")
+    finally:
+        down.close()
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert [c["work_key"] for c in data["changed"]] == ["k-failed"]
+    assert [n["work_key"] for n in data["not_sent"]] == ["k-failed"]
+    row = store.get_work("k-failed")
+    assert row is not None and row.state == "requeued"
+    assert row.lease_expires_at is not None  # the sweeper re-sends it when this runs out

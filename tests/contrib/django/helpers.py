@@ -44,3 +44,13 @@ def dead(store: Store, key: str, queue: str) -> None:
     assert [o.work_key for o in store.claim_orphans(restarted, 10, 60)] == [key]
     outcome = store.take(key, TASK, key, None, restarted, 60, 1, is_live=lambda *_: False)
     assert outcome.action == "dead"
+
+
+def failed(store: Store, key: str, queue: str, error: str = "ValueError: bad row") -> None:
+    store.fail(key, running(store, key, queue), error)
+
+
+def revoked(store: Store, key: str, queue: str) -> None:
+    """Revoked by task id before it started (its tombstone is kept in the store)."""
+    reserved(store, key, queue)
+    assert store.record_revocations([key]) == 1

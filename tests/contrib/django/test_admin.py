@@ -1,4 +1,5 @@
-"""The read-only admin over the store's tables, and its re-publish action.
+"""The read-only admin over the store's tables, and its operator actions (re-publish,
+cancel, retry, forget), each behind its own permission.
 
 Rows are made through the store's own API in the test database; pages are rendered by
 Django's test client; the re-publish action sends real messages to Redis.
@@ -14,8 +15,10 @@ from celery import Celery
 from django.contrib.auth.models import Permission, User
 from django.test import Client
 from kombu import Connection
+from sqlalchemy import select
 
 from celery_resilient import Resilient, codec
+from celery_resilient.errors import WorkStopped
 from celery_resilient.store.contexts import ContextRows
 from celery_resilient.store.schedule import ScheduleStore
 from celery_resilient.store.sql import Store
@@ -171,3 +174,105 @@ def test_republish_needs_its_own_permission(client: Client, store: Store, queue:
     assert "republish_selected" in client.get(WORK_URL).content.decode()
     client.post(WORK_URL, {"action": "republish_selected", "_selected_action": ["job-dead"]})
     assert [h["id"] for h in _drain(redis_url, queue)] == ["job-dead"]
+
+
+def _act(client: Client, name: str, keys: list[str]) -> list[str]:
+    response = client.post(WORK_URL, {"action": name, "_selected_action": keys}, follow=True)
+    assert response.status_code == 200
+    return [str(m) for m in response.context["messages"]]
+
+
+def _tombstones(store: Store) -> set[str]:
+    rv = store.t.revocations
+    with store.engine.connect() as conn:
+        found = {str(x) for x in conn.execute(select(rv.c.task_id)).scalars()}
+        conn.rollback()
+    return found
+
+
+def test_cancel_action_stops_running_work_and_names_what_it_refused(
+        admin_client: Client, store: Store, queue: str) -> None:
+    epoch = helpers.running(store, "job-run", queue)
+    helpers.reserved(store, "job-waiting", queue)
+    helpers.done(store, "job-done", queue)
+
+    notes = _act(admin_client, "cancel_selected", ["job-run", "job-waiting", "job-done"])
+    assert any("cancelled 2 unit(s) of work" in n for n in notes), notes
+    assert any("cannot cancel 'job-done'" in n and "already ended (done)" in n
+               for n in notes), notes
+    row = store.get_work("job-run")
+    assert row is not None and row.state == "cancelled"
+    assert row.error == "cancelled by operator: by admin in the Django admin"
+    with pytest.raises(WorkStopped):
+        store.save_checkpoint("job-run", epoch, codec.encode({"row": 9}, "checkpoint"))
+    waiting = store.get_work("job-waiting")
+    assert waiting is not None and waiting.state == "cancelled"
+    finished = store.get_work("job-done")
+    assert finished is not None and finished.state == "done"
+
+
+def test_retry_action_sends_ended_work_again_and_refuses_done_and_open_work(
+        admin_client: Client, store: Store, queue: str, redis_url: str) -> None:
+    helpers.revoked(store, "job-revoked", queue)
+    helpers.failed(store, "job-failed", queue)
+    helpers.done(store, "job-done", queue)
+    helpers.reserved(store, "job-open", queue)
+    assert _tombstones(store) == {"job-revoked"}
+
+    notes = _act(admin_client, "retry_selected",
+                 ["job-revoked", "job-failed", "job-done", "job-open"])
+    assert any("retried 2 unit(s) of work" in n for n in notes), notes
+    assert any("cannot retry 'job-done'" in n and "it is done" in n for n in notes), notes
+    assert any("cannot retry 'job-open'" in n and "still open (reserved)" in n
+               for n in notes), notes
+    assert sorted(h["id"] for h in _drain(redis_url, queue)) == ["job-failed", "job-revoked"]
+    assert _tombstones(store) == set()
+    for key in ("job-revoked", "job-failed"):
+        row = store.get_work(key)
+        assert row is not None and (row.state, row.deaths, row.error) == ("requeued", 0, None)
+    outcome = store.take("job-revoked", helpers.TASK, "job-revoked", None, helpers.LIVE, 60,
+                         5, is_live=lambda *_: True)
+    assert outcome.action == "run"
+
+
+def test_forget_action_deletes_ended_work_but_not_open_work_or_ledger(
+        admin_client: Client, store: Store, queue: str) -> None:
+    epoch = helpers.running(store, "job-failed", queue)
+    store.save_checkpoint("job-failed", epoch, codec.encode({"row": 3}, "checkpoint"))
+    assert store.ledger_put("mail:job-failed", "job-failed", epoch, '"sent"')
+    store.fail("job-failed", epoch, "boom")
+    helpers.running(store, "job-live", queue)
+
+    notes = _act(admin_client, "forget_selected", ["job-failed", "job-live"])
+    assert any("forgot 1 unit(s) of work with 1 checkpoint(s) and 0 step(s)" in n
+               for n in notes), notes
+    assert any("cannot forget 'job-live'" in n and "still open (running)" in n
+               for n in notes), notes
+    assert store.get_work("job-failed") is None
+    assert store.load_checkpoint("job-failed") is None
+    assert store.ledger_get("mail:job-failed") == '"sent"'
+    live = store.get_work("job-live")
+    assert live is not None and live.state == "running"
+
+
+@pytest.mark.parametrize("codename", ["cancel_work", "retry_work", "forget_work"])
+def test_each_action_needs_its_own_permission(client: Client, store: Store, queue: str,
+                                              codename: str) -> None:
+    helpers.reserved(store, "job-open", queue)
+    helpers.failed(store, "job-failed", queue)
+    actions = {"cancel_work": "cancel_selected", "retry_work": "retry_selected",
+               "forget_work": "forget_selected"}
+    user = User.objects.create_user("operator", password="pw", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_work"),
+                              Permission.objects.get(codename=codename))
+    client.force_login(user)
+    page = client.get(WORK_URL).content.decode()
+    for perm, name in actions.items():
+        assert (name in page) == (perm == codename), (perm, name)
+    assert "republish_selected" not in page
+    before = {k: store.get_work(k) for k in ("job-open", "job-failed")}
+    for perm, name in actions.items():
+        if perm != codename:  # not offered, so posting it does nothing
+            client.post(WORK_URL, {"action": name,
+                                   "_selected_action": ["job-open", "job-failed"]})
+    assert {k: store.get_work(k) for k in before} == before
