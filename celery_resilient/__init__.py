@@ -14,9 +14,11 @@ from .errors import (
     SerializationError,
     StaleClaimError,
     StoreUnavailable,
+    WorkDead,
     WorkKeyConflict,
+    WorkStopped,
 )
-from .task import ResumableTask, WorkDead
+from .task import ResumableTask
 
 __all__ = [
     "CheckpointError",
@@ -36,5 +38,6 @@ __all__ = [
     "StoreUnavailable",
     "WorkDead",
     "WorkKeyConflict",
+    "WorkStopped",
 ]
 __version__ = "0.1.0.dev0"

@@ -102,7 +102,7 @@ class Resilient:
         cfg = self.config
         _ = self.store
         log.info(
-            "celery-resilient: store=%s lease=%.0fs heartbeat=%.0fs sweep=%.0fs "
+            "celery-resilient: store=%s lease=%gs heartbeat=%gs sweep=%gs "
             "max_attempts=%d durable_submit=%s node=%s incarnation=%s",
             sanitize_url(cfg.store_url), cfg.lease_seconds, cfg.heartbeat_interval,
             cfg.sweep_interval, cfg.max_attempts, cfg.durable_submit, owner.node,

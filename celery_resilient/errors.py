@@ -34,6 +34,11 @@ class WorkStopped(StaleClaimError):
     """The work was cancelled or revoked while it ran; this execution's writes are refused."""
 
 
+class WorkDead(ResilientError):
+    """The work died with its worker too many times, or was re-published too often, and is
+    parked as ``dead``."""
+
+
 class CheckpointError(ResilientError):
     """The checkpoint state cannot be stored; the previous checkpoint is unchanged."""
 

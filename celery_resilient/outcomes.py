@@ -69,6 +69,10 @@ class OutcomeBuffer:
             except Exception:
                 self.put_back(items[i:])
                 raise
+            if not changed:
+                log.debug("request %s had already ended (%s not recorded)", outcome.task_id,
+                          outcome.state)
+                continue
             log.info("request %s ended %s: %s", outcome.task_id, outcome.state, outcome.error,
                      extra={"action": f"work_{outcome.state}", "task_id": outcome.task_id,
                             "rows": changed})

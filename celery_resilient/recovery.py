@@ -12,7 +12,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from . import messages, signals
-from .store.sql import Orphan, Owner
+from .errors import WorkDead
+from .states import REVOKED
+from .store.sql import Ended, Orphan, Owner
 
 if TYPE_CHECKING:
     from .app import Resilient
@@ -24,8 +26,11 @@ REPUBLISHED_HEADER = "resilient_republished"
 def sweep(rt: Resilient, owner: Owner) -> list[Orphan]:
     """One recovery round; returns the orphans it re-published."""
     cfg = rt.config
+    ended: list[Ended] = []
     orphans = rt.store.claim_orphans(owner, cfg.sweep_batch, cfg.submit_timeout,
-                                     cfg.max_republish, cfg.republish_backoff_max)
+                                     cfg.max_republish, cfg.republish_backoff_max, ended)
+    for e in ended:
+        report_ended(rt, e)
     if not orphans:
         return []
     sent: list[Orphan] = []
@@ -53,3 +58,18 @@ def sweep(rt: Resilient, owner: Owner) -> list[Orphan]:
                          previous_owner=orphan.previous_owner)
             sent.append(orphan)
     return sent
+
+
+def report_ended(rt: Resilient, e: Ended) -> None:
+    """Tell the caller: its owner died, so nobody else writes this request's result."""
+    log.warning("work %s ended %s instead of being re-published: %s", e.work_key, e.state,
+                e.reason, extra={"action": f"work_{e.state}", "work_key": e.work_key,
+                                 "task_id": e.task_id})
+    try:
+        if e.state == REVOKED:
+            rt.app.backend.mark_as_revoked(e.task_id, e.reason)
+        else:
+            rt.app.backend.mark_as_failure(e.task_id, WorkDead(f"work {e.work_key!r} is dead: "
+                                                               f"{e.reason}"))
+    except Exception as exc:  # no result backend, or it is down: the store has the state
+        log.info("result of %s not updated: %s", e.task_id, exc)

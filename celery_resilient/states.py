@@ -66,16 +66,18 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("fail", OPEN_STATES, FAILED, "pool process (running) or main process",
                "exception, retries exhausted, soft time limit, Reject(requeue=False); the "
                "main process records a hard time limit by task id, whatever the claim's state"),
-    Transition("ignore", (RUNNING,), IGNORED, "pool process", "the body raised Ignore"),
+    Transition("ignore", (RUNNING,), IGNORED, "pool process",
+               "the body raised Ignore, or a retry or replacement became another work key"),
     Transition("hand_back", (RUNNING,), REQUEUED, "pool process",
-               "self.retry (within max_retries) or Reject(requeue=True): the next message "
-               "takes it, no death counted"),
+               "self.retry (within max_retries), Reject(requeue=True) or self.replace: the "
+               "next message takes it, no death counted; copies of earlier tries never do"),
     Transition("revoke", OPEN_STATES, REVOKED,
                "worker main process, or the take or sweep that meets a revoked task id",
                "revoked by id (running work only with terminate=True, or when its owner "
                "dies after the revoke)"),
-    Transition("expire", OPEN_STATES, EXPIRED, "worker main process",
-               "a delivery was discarded because its expires passed"),
+    Transition("expire", (*OPEN_STATES, REVOKED), EXPIRED, "worker main process",
+               "a delivery was discarded because its expires passed (Celery lists an expired "
+               "id as revoked first: the expiry relabels that revoke)"),
     Transition("cancel", OPEN_STATES, CANCELLED, "operator",
                "celery resilient cancel / Django admin; running work stops at its next write"),
     Transition("orphan", OPEN_STATES, REQUEUED, "sweeper",

@@ -23,7 +23,7 @@ from . import codec, identity, messages, receipts, signals, workkey
 from .checkpoint import Checkpoint
 from .config import ResilientConfig
 from .context import Context, task_context
-from .errors import ResilientError, StaleClaimError, StoreUnavailable, WorkStopped
+from .errors import ResilientError, StaleClaimError, StoreUnavailable, WorkDead, WorkStopped
 from .execution import Execution
 from .ledger import Ledger
 from .recovery import REPUBLISHED_HEADER
@@ -39,10 +39,6 @@ R = TypeVar("R")
 _direct_execution: ContextVar[Execution | None] = ContextVar("resilient_direct", default=None)
 SUPERSEDES_HEADER = "resilient_supersedes"
 SCHEDULED_FOR_HEADER = "resilient_scheduled_for"
-
-
-class WorkDead(ResilientError):
-    """The work died with its worker too many times and is parked as ``dead``."""
 
 
 class ResumableTask(Task):  # type: ignore[misc]
@@ -167,14 +163,21 @@ class ResumableTask(Task):  # type: ignore[misc]
                 supersedes=_as_int(_header(req, SUPERSEDES_HEADER)),
                 message_if_new=lambda: messages.from_signature(
                     self.signature_from_request(req, args, kwargs)),
+                retries=int(req.retries or 0),
             )
         except StoreUnavailable as exc:
             self._retry_store_down(exc, None)
         ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
         if outcome.action == "done":
+            signals.send(signals.duplicate_skipped, self.app, self.name, reason="done", **ctx)
+            if self._success_already_reported():
+                # Celery sends chain steps and link callbacks before it stores SUCCESS, so
+                # they went out with the first success: a copy must not send them again.
+                log.info("work %s already done and reported; copy acknowledged", work_key,
+                         extra={"action": "duplicate_skipped", **ctx})
+                raise Ignore()
             log.info("work %s already done; returning its stored result", work_key,
                      extra={"action": "duplicate_skipped", **ctx})
-            signals.send(signals.duplicate_skipped, self.app, self.name, reason="done", **ctx)
             return codec.decode(outcome.result_json)
         if outcome.action in ("held", "duplicate"):
             log.info("work %s not run: %s", work_key, outcome.reason,
@@ -236,12 +239,20 @@ class ResumableTask(Task):  # type: ignore[misc]
                 killpoints.reached("before_ack")
             return result
         except Retry as retry:
-            # Celery published the retry (within max_retries): hand the claim to it.
-            self._hand_back(rt, epoch, ctx, _seconds_until(retry.when))
+            # Celery published the retry (within max_retries): hand the claim to it, unless
+            # new arguments make the retry another unit of work.
+            req = self.request
+            next_key = getattr(req, "resilient_retry_key", None) or work_key
+            if next_key != work_key:
+                self._record_end(rt, epoch, ctx, Ignore(f"retried as work {next_key!r}"),
+                                 IGNORED)
+            else:
+                self._hand_back(rt, epoch, ctx, _seconds_until(retry.when),
+                                int(req.retries or 0) + 1)
             raise
         except Reject as reject:
             if reject.requeue:
-                self._hand_back(rt, epoch, ctx, 0.0)
+                self._hand_back(rt, epoch, ctx, 0.0, int(self.request.retries or 0))
             else:
                 self._record_end(rt, epoch, ctx, reject, FAILED)
             raise
@@ -255,17 +266,19 @@ class ResumableTask(Task):  # type: ignore[misc]
         except StoreUnavailable as exc:
             self._retry_store_down(exc, epoch)
         except Ignore as ignore:
-            self._record_end(rt, epoch, ctx, ignore, IGNORED)
+            if not getattr(self.request, "resilient_replaced", False):
+                self._record_end(rt, epoch, ctx, ignore, IGNORED)
             raise
         except Exception as exc:
             self._record_end(rt, epoch, ctx, exc, FAILED)
             raise
 
     def _hand_back(self, rt: Resilient, epoch: int, ctx: dict[str, Any],
-                   delay: float) -> None:
+                   delay: float, next_retries: int, clear_checkpoint: bool = False) -> None:
         """The claim goes back to ``requeued``: the re-sent message takes it, no death."""
         try:
-            rt.store.release(ctx["work_key"], epoch, delay + rt.config.submit_timeout)
+            rt.store.release(ctx["work_key"], epoch, delay + rt.config.submit_timeout,
+                             next_retries, clear_checkpoint)
         except StaleClaimError:
             pass  # the re-sent copy (marked as superseding this epoch) already took it over
         except StoreUnavailable as exc:
@@ -292,6 +305,22 @@ class ResumableTask(Task):  # type: ignore[misc]
         log.warning("fenced: %s", error, extra={"action": "fenced", **ctx})
         signals.send(signals.work_fenced, self.app, self.name, epoch=epoch, error=error, **ctx)
 
+    def _success_already_reported(self) -> bool:
+        """Whether the result backend already holds SUCCESS for this request.
+
+        Without a result backend nothing can tell; the copy then returns the stored result
+        (and Celery sends the request's callbacks again: docs/reliability.md).
+        """
+        req = self.request
+        if req.is_eager or self.ignore_result or req.ignore_result or isinstance(
+                self.backend, DisabledBackend):
+            return False
+        try:
+            return bool(self.backend.get_state(req.id) == "SUCCESS")
+        except Exception as exc:  # backend down: returning the stored result is the safe side
+            log.warning("result backend unreadable for %s: %s", req.id, exc)
+            return False
+
     def _report_revoked(self, reason: str) -> None:
         """The caller sees REVOKED, as for a request Celery itself discarded."""
         req = self.request
@@ -317,20 +346,44 @@ class ResumableTask(Task):  # type: ignore[misc]
             receipts.record_submission(rt, self, args or (), kwargs or {}, task_id, options)
         return super().apply_async(args, kwargs, task_id=task_id, **options)
 
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
+    def retry(self, args: Any = None, kwargs: Any = None, *more: Any, **options: Any) -> Any:
         """Celery's retry; the retried message may take over this execution's claim.
 
         Celery decides (max_retries) and publishes; the message carries this epoch as the
         one it supersedes, so it takes the claim without counting a death even if it
         arrives before the claim is handed back. Past max_retries nothing is handed back:
-        the exception ends the work as ``failed``, as in Celery.
+        the exception ends the work as ``failed``, as in Celery. A retry with arguments that
+        derive another work key is another unit: this one ends ``ignored``.
         """
-        x: Execution | None = getattr(self.request, "resilient_execution", None)
-        if x is not None and not self.request.called_directly:
-            given = kwargs.get("headers") or {}
-            kwargs["headers"] = {**(self.request.headers or {}), **given,
-                                 SUPERSEDES_HEADER: x.epoch}
-        return super().retry(*args, **kwargs)
+        req = self.request
+        x: Execution | None = getattr(req, "resilient_execution", None)
+        if x is not None and not req.called_directly:
+            given = options.get("headers") or {}
+            headers = {**(req.headers or {}), **given, SUPERSEDES_HEADER: x.epoch}
+            options["headers"] = headers
+            try:
+                req.resilient_retry_key = workkey.derive(
+                    self, req.id, req.args if args is None else args,
+                    req.kwargs if kwargs is None else kwargs, headers)
+            except ResilientError:
+                req.resilient_retry_key = None
+        return super().retry(args, kwargs, *more, **options)
+
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's replace: the replacement continues this work key when it derives it
+        (the default: it gets this task id), starting without this body's checkpoint;
+        otherwise this unit ends ``ignored`` and the replacement is work of its own."""
+        req = self.request
+        x: Execution | None = getattr(req, "resilient_execution", None)
+        if x is not None and not req.called_directly:
+            req.resilient_replaced = True
+            rt = self.resilient
+            ctx = {"work_key": x.work_key, "task_id": req.id, "task": self.name}
+            if _replacement_key(self.app, sig, req.id) == x.work_key:
+                self._hand_back(rt, x.epoch, ctx, 0.0, 0, clear_checkpoint=True)
+            else:
+                self._record_end(rt, x.epoch, ctx, Ignore("replaced by a new task"), IGNORED)
+        return super().on_replace(sig)
 
     def _retry_store_down(self, exc: StoreUnavailable, epoch: int | None) -> Any:
         """The store is down: re-send this message later rather than fail or lose it."""
@@ -372,6 +425,23 @@ def _digest_or_none(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None
         return codec.digest([list(args), kwargs])
     except ResilientError:
         return None
+
+
+def _replacement_key(app: Any, sig: Any, task_id: str) -> str | None:
+    """The work key the replacement frozen with ``task_id`` derives, if it is resumable."""
+    candidates = list(getattr(sig, "tasks", None) or [sig])
+    for s in candidates:
+        if getattr(s, "id", None) != task_id:
+            continue
+        task = app.tasks.get(s.task)
+        if not isinstance(task, ResumableTask):
+            return None
+        try:
+            return workkey.derive(task, task_id, s.args, s.kwargs,
+                                  (s.options or {}).get("headers"))
+        except ResilientError:
+            return None
+    return None
 
 
 def _seconds_until(when: Any) -> float:

@@ -59,6 +59,9 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         # Re-publishes since the work last started (reset by a take): bounded by
         # resilient_max_republish, and the exponent of the backoff between them.
         Column("republished", Integer, nullable=False, default=0),
+        # Celery's retry count of the try that holds or last held the claim: a stale copy of
+        # an earlier try (re-published and also redelivered) never runs again.
+        Column("retries", Integer, nullable=False, default=0, server_default="0"),
         Column("message_json", Text, nullable=True),
         Column("result_json", Text, nullable=True),
         Column("error", Text, nullable=True),

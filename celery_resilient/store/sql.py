@@ -37,12 +37,14 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import StaleClaimError, StoreUnavailable, WorkKeyConflict, WorkStopped
 from ..states import (
     DEAD,
     DONE,
     ENDED_BY_REQUEST,
+    EXPIRED,
     FAILED,
     OPEN_STATES,
     REQUEUED,
@@ -58,6 +60,7 @@ from .schema import build_tables
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
+REVOKE_LIST_ERROR = "revoked by task id (Celery's revoke list)"
 T = TypeVar("T")
 
 
@@ -145,6 +148,17 @@ class Orphan:
 
 
 @dataclass(frozen=True)
+class Ended:
+    """Work the sweep ended instead of re-publishing it (revoked, or dead)."""
+
+    work_key: str
+    task_id: str
+    task_name: str
+    state: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class WorkRow:
     work_key: str
     task_name: str
@@ -178,12 +192,13 @@ class _Hot:
                    w.c.deaths < bindparam("max_attempts", type_=Integer),
                    or_(w.c.args_digest.is_(None), bindparam("digest", type_=String).is_(None),
                        w.c.args_digest == bindparam("digest", type_=String)),
+                   w.c.retries <= bindparam("retries", type_=Integer),
                    ~exists().where(rv.c.task_id == bindparam("task_id", type_=String)))
             .values(state=RUNNING, epoch=w.c.epoch + 1, owner_node=bindparam("node"),
                     incarnation=bindparam("inc"), owner_pid=bindparam("pid"),
                     lease_expires_at=now + bindparam("lease", type_=Float),
                     attempts=w.c.attempts + 1, task_id=bindparam("task_id"), error=None,
-                    republished=0,
+                    retries=bindparam("retries", type_=Integer),
                     args_digest=func.coalesce(w.c.args_digest,
                                               bindparam("digest", type_=String)),
                     updated_at=now)
@@ -208,9 +223,10 @@ class _Hot:
         # A checkpoint that changes the state is progress: the crash-loop counter starts
         # again, so a long task interrupted by many deploys while advancing is not poison,
         # while one that dies again and again at the same checkpoint is.
-        self.fence_progress = self.fence.values(deaths=case(
-            (stored.is_distinct_from(bindparam("state_json", type_=Text)), 0),
-            else_=w.c.deaths))
+        progress = stored.is_distinct_from(bindparam("state_json", type_=Text))
+        self.fence_progress = self.fence.values(
+            deaths=case((progress, 0), else_=w.c.deaths),
+            republished=case((progress, 0), else_=w.c.republished))
         if not dialect.is_sqlite:
             # Fence and upsert in one statement (PostgreSQL allows DML in a top-level WITH):
             # the checkpoint row is written only if the fencing UPDATE matched.
@@ -427,6 +443,7 @@ class Store:
         is_live: Callable[[str | None, str | None, int | None], bool],
         supersedes: int | None = None,
         message_if_new: Callable[[], str | None] | None = None,
+        retries: int = 0,
     ) -> TakeOutcome:
         """Claim ``work_key`` for one execution (epoch + 1), or say why it must not run.
 
@@ -434,11 +451,13 @@ class Store:
         worker incarnation is still alive; other owners are judged by their lease.
         ``supersedes`` is the epoch a re-sent message was sent to replace (store outage).
         ``message_if_new`` builds a re-publishable message when no receipt was recorded yet.
+        ``retries`` is the delivery's Celery retry count: a copy of an earlier try than the
+        one that holds or last held the claim is a stale duplicate and never runs.
         """
         w = self.t.work
         with self.single() as conn:
             fast = self._take_fast(conn, work_key, task_id, args_digest, owner, lease_seconds,
-                                   max_attempts)
+                                   max_attempts, retries)
         if fast is not None:
             return fast
         for _ in range(3):
@@ -446,7 +465,7 @@ class Store:
                 with self.begin() as conn:
                     return self._take(conn, work_key, task_name, task_id, args_digest, owner,
                                       lease_seconds, max_attempts, is_live, supersedes,
-                                      message_if_new)
+                                      message_if_new, retries)
             except IntegrityError:
                 continue  # a concurrent first insert of the same key: read it again
         raise StoreUnavailable(f"could not claim work {work_key!r} ({w.name} kept changing)")
@@ -457,11 +476,12 @@ class Store:
         is_live: Callable[[str | None, str | None, int | None], bool],
         supersedes: int | None,
         message_if_new: Callable[[], str | None] | None,
+        retries: int,
     ) -> TakeOutcome:
         w, rv = self.t.work, self.t.revocations
         now = self.dialect.now()
         fast = self._take_fast(conn, work_key, task_id, args_digest, owner, lease_seconds,
-                               max_attempts)
+                               max_attempts, retries)
         if fast is not None:  # it changed since the first attempt outside this transaction
             return fast
         revoked = conn.execute(select(rv.c.task_id).where(rv.c.task_id == task_id)).first()
@@ -479,7 +499,8 @@ class Store:
                 epoch=0 if revoked else 1, owner_node=owner.node,
                 incarnation=owner.incarnation, owner_pid=owner.pid,
                 lease_expires_at=now + lease_seconds, attempts=0 if revoked else 1, deaths=0,
-                republished=0, message_json=message_if_new() if message_if_new else None,
+                republished=0, retries=retries,
+                message_json=message_if_new() if message_if_new else None,
                 created_at=now, updated_at=now, finished_at=now if revoked else None,
             ))
             if revoked:
@@ -498,6 +519,9 @@ class Store:
             if row.state in STOPPED_STATES:
                 return TakeOutcome("stopped", reason=row.state)
             return TakeOutcome("duplicate", reason=f"this request already ended ({row.state})")
+        if row.state in OPEN_STATES and retries < row.retries and row.task_id == task_id:
+            return TakeOutcome("duplicate", reason=(
+                f"a stale copy of try {retries}; try {row.retries} holds or held the claim"))
         died = False
         if row.state == RUNNING:
             if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
@@ -520,7 +544,7 @@ class Store:
             state=RUNNING, epoch=epoch, owner_node=owner.node, incarnation=owner.incarnation,
             owner_pid=owner.pid, lease_expires_at=now + lease_seconds,
             attempts=row.attempts + 1, deaths=deaths, task_id=task_id, error=None,
-            republished=0, args_digest=func.coalesce(w.c.args_digest, args_digest),
+            retries=retries, args_digest=func.coalesce(w.c.args_digest, args_digest),
             result_json=None, finished_at=None, updated_at=now,
         ))
         return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths))
@@ -537,12 +561,12 @@ class Store:
 
     def _take_fast(self, conn: Connection, work_key: str, task_id: str,
                    args_digest: str | None, owner: Owner, lease_seconds: float,
-                   max_attempts: int) -> TakeOutcome | None:
+                   max_attempts: int, retries: int = 0) -> TakeOutcome | None:
         """The common take in one statement, or None when the careful path must decide."""
         row = conn.execute(self._hot.take_fast, {
             "k": work_key, "max_attempts": max_attempts, "digest": args_digest,
             "node": owner.node, "inc": owner.incarnation, "pid": owner.pid,
-            "lease": lease_seconds, "task_id": task_id,
+            "lease": lease_seconds, "task_id": task_id, "retries": retries,
         }).first()
         if row is None:
             return None
@@ -571,19 +595,29 @@ class Store:
         self._close(work_key, epoch, state, error=error[:4000])
 
     @guarded
-    def release(self, work_key: str, epoch: int, hold_seconds: float) -> None:
-        """Hand the work back (a retry or a requeueing Reject was sent): the next message
-        takes it without a death; the sweeper re-sends it if that message vanishes."""
+    def release(self, work_key: str, epoch: int, hold_seconds: float,
+                next_retries: int | None = None, clear_checkpoint: bool = False) -> None:
+        """Hand the work back (a retry, a requeueing Reject or a replacement was sent): the
+        next message takes it without a death; the sweeper re-sends it if that vanishes.
+
+        ``next_retries`` is the retry count of the message that should take it: copies of
+        earlier tries are refused from now on.
+        """
         w = self.t.work
         now = self.dialect.now()
+        values: dict[str, Any] = {
+            "state": REQUEUED, "owner_node": None, "incarnation": None, "owner_pid": None,
+            "lease_expires_at": now + hold_seconds, "updated_at": now,
+            "args_digest": None,  # a retry may carry other arguments: the next take records them
+        }
+        if next_retries is not None:
+            values["retries"] = next_retries
         with self.begin() as conn:
             self.fence(conn, work_key, epoch)
-            conn.execute(update(w).where(w.c.work_key == work_key).values(
-                state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
-                lease_expires_at=now + hold_seconds, republished=0, updated_at=now,
-                # a retry may carry other arguments: the next take records them
-                args_digest=None,
-            ))
+            conn.execute(update(w).where(w.c.work_key == work_key).values(**values))
+            if clear_checkpoint:
+                c = self.t.checkpoints
+                conn.execute(delete(c).where(c.c.work_key == work_key))
 
     @guarded
     def end_request(self, task_id: str, state: str, error: str) -> int:
@@ -595,9 +629,14 @@ class Store:
         """
         w = self.t.work
         now = self.dialect.now()
+        ending: ColumnElement[bool] = w.c.state.in_(OPEN_STATES)
+        if state == EXPIRED:
+            # Celery puts an expired id on its revoke list before it announces the expiry:
+            # the revoke-list copy may have ended the work first; the expiry is the truth.
+            ending = or_(ending, and_(w.c.state == REVOKED, w.c.error == REVOKE_LIST_ERROR))
         with self.begin() as conn:
             return int(conn.execute(
-                update(w).where(w.c.task_id == task_id, w.c.state.in_(OPEN_STATES))
+                update(w).where(w.c.task_id == task_id, ending)
                 .values(state=state, error=error[:4000], owner_pid=None, lease_expires_at=None,
                         updated_at=now, finished_at=now)).rowcount)
 
@@ -618,7 +657,7 @@ class Store:
                 index_elements=[rv.c.task_id]), [{"task_id": i} for i in ids])
             return int(conn.execute(
                 update(w).where(w.c.task_id.in_(ids), w.c.state.in_((RESERVED, REQUEUED)))
-                .values(state=REVOKED, error="revoked by task id", owner_pid=None,
+                .values(state=REVOKED, error=REVOKE_LIST_ERROR, owner_pid=None,
                         lease_expires_at=None, updated_at=now, finished_at=now)).rowcount)
 
     def _close(self, work_key: str, epoch: int, state: str, result_json: str | None = None,
@@ -696,7 +735,8 @@ class Store:
     @guarded
     def claim_orphans(self, owner: Owner, limit: int, hold_seconds: float,
                       max_republish: int | None = None,
-                      max_hold_seconds: float | None = None) -> list[Orphan]:
+                      max_hold_seconds: float | None = None,
+                      ended: list[Ended] | None = None) -> list[Orphan]:
         """Take back work whose owner is gone, and mark it re-published.
 
         Orphans are claims of this node's earlier incarnations (at once) and any open claim
@@ -707,7 +747,8 @@ class Store:
         Re-publishing is bounded: the n-th re-publish since the work last started waits
         ``hold_seconds * 2**n`` (at most ``max_hold_seconds``) for a worker to take it, and
         after ``max_republish`` of them the work is parked ``dead``. An orphan whose task id
-        was revoked ends ``revoked`` instead of being sent.
+        was revoked ends ``revoked`` instead of being sent. Work ended here is appended to
+        ``ended`` (its caller still waits on a result the dead owner never wrote).
         """
         w, rv = self.t.work, self.t.revocations
         now = self.dialect.now()
@@ -727,13 +768,17 @@ class Store:
             for r in rows:
                 death = 1 if r.state == RUNNING else 0
                 if r.revoked:
-                    self._end(conn, r.work_key, REVOKED, deaths=r.deaths + death,
-                              error="revoked by task id; its owner died")
+                    why = "revoked by task id; its owner died"
+                    self._end(conn, r.work_key, REVOKED, deaths=r.deaths + death, error=why)
+                    if ended is not None:
+                        ended.append(Ended(r.work_key, r.task_id, r.task_name, REVOKED, why))
                     continue
                 if max_republish is not None and r.republished >= max_republish:
-                    self._end(conn, r.work_key, DEAD, deaths=r.deaths + death, error=(
-                        f"re-published {r.republished} times without starting "
-                        f"(resilient_max_republish={max_republish})"))
+                    why = (f"re-published {r.republished} times without progress "
+                           f"(resilient_max_republish={max_republish})")
+                    self._end(conn, r.work_key, DEAD, deaths=r.deaths + death, error=why)
+                    if ended is not None:
+                        ended.append(Ended(r.work_key, r.task_id, r.task_name, DEAD, why))
                     log.error("work %s parked dead: re-published %d times without starting",
                               r.work_key, r.republished,
                               extra={"action": "dead", "work_key": r.work_key})

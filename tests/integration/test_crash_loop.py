@@ -76,11 +76,46 @@ def test_republishing_backs_off_and_is_capped(store: Store) -> None:
     assert store.claim_orphans(sweeper, 10, 10, max_republish=3) == []
 
 
-def test_a_take_resets_the_republish_count(store: Store) -> None:
-    key = "taken"
-    store.record_submission(key, "proj.task", "tid-taken", None, '{"m": 1}', 10)
+def test_only_progress_resets_the_republish_count(store: Store) -> None:
+    """A message that is taken, makes no progress and comes back (a retry with another work
+    key left its old key behind, a body that always hands back) stops at the cap."""
+    key = "loop"
+    store.record_submission(key, "proj.task", "tid-loop", None, '{"m": 1}', 10)
+    sweeper = owner("s@host")
+    for n in range(1, 4):
+        expire(store, key)
+        assert [o.work_key for o in store.claim_orphans(sweeper, 10, 10, max_republish=3)] == [
+            key]
+        claim = run(store, key, owner(f"w{n}@host"), task_id="tid-loop")
+        store.release(key, claim.epoch, 10)  # handed back without progress
+        row = store.get_work(key)
+        assert row is not None and row.republished == n, "a take is not progress"
     expire(store, key)
-    store.claim_orphans(owner("s@host"), 10, 10, max_republish=3)
-    run(store, key, owner("w@host"), task_id="tid-taken")
-    row = store.get_work(key)
-    assert row is not None and row.republished == 0
+    assert store.claim_orphans(sweeper, 10, 10, max_republish=3) == []
+    assert store.get_work(key).state == "dead"  # type: ignore[union-attr]
+
+    store.record_submission("moving", "proj.task", "tid-moving", None, '{"m": 1}', 10)
+    for n in range(1, 6):
+        expire(store, "moving")
+        assert store.claim_orphans(sweeper, 10, 10, max_republish=3)
+        claim = run(store, "moving", owner(f"m{n}@host"), task_id="tid-moving")
+        store.save_checkpoint("moving", claim.epoch, f'{{"row": {n}}}')
+        store.release("moving", claim.epoch, 10)
+        assert store.get_work("moving").republished == 0  # type: ignore[union-attr]
+
+
+def test_stale_copies_of_an_earlier_try_never_run(store: Store) -> None:
+    """After a retry's hand-back, a copy of the try before it (re-published and also
+    redelivered) is refused; the retried message itself takes the claim."""
+    first = run(store, "try", owner("a@host"), task_id="t-try")
+    store.release("try", first.epoch, 30, next_retries=1)
+    stale = store.take("try", "proj.task", "t-try", None, owner("b@host"), 30, 5,
+                       never_live, retries=0)
+    assert stale.action == "duplicate" and "stale copy of try 0" in stale.reason
+    retried = store.take("try", "proj.task", "t-try", None, owner("b@host"), 30, 5,
+                         never_live, retries=1)
+    assert retried.action == "run"
+    late = store.take("try", "proj.task", "t-try", None, owner("c@host"), 30, 5,
+                      never_live, retries=0)
+    assert late.action in ("duplicate", "held")
+    assert store.get_work("try").epoch == first.epoch + 1  # type: ignore[union-attr]

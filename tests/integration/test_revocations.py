@@ -79,6 +79,20 @@ def test_end_request_records_main_process_outcomes_once(store: Store) -> None:
     assert take(store, "ex", owner("b@host"), task_id="t-ex").action == "stopped"
 
 
+def test_an_expiry_relabels_the_revoke_celery_listed_for_it(store: Store) -> None:
+    """Celery puts an expired id on its revoke list before announcing the expiry; whichever
+    the worker records first, the work ends ``expired``. A real revoke stays revoked."""
+    _receive(store, "e1", "t-e1")
+    store.record_revocations(["t-e1"])
+    assert _state(store, "e1") == "revoked"
+    assert store.end_request("t-e1", "expired", "its expires passed before it ran") == 1
+    assert _state(store, "e1") == "expired"
+    run(store, "r1", owner("a@host"), task_id="t-r1")
+    store.end_request("t-r1", "revoked", "revoked with terminate=True")
+    assert store.end_request("t-r1", "expired", "late") == 0
+    assert _state(store, "r1") == "revoked"
+
+
 def test_cancelled_running_work_is_stopped_at_its_next_write(store: Store) -> None:
     from celery_resilient.errors import StaleClaimError, WorkStopped
 

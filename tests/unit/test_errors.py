@@ -8,17 +8,17 @@ import pickle
 import pytest
 
 from celery_resilient import errors
-from celery_resilient.task import WorkDead
 
 CLASSES = [obj for _, obj in inspect.getmembers(errors, inspect.isclass)
-           if issubclass(obj, BaseException) and obj.__module__ == errors.__name__] + [WorkDead]
+           if issubclass(obj, BaseException) and obj.__module__ == errors.__name__]
 
 
 def test_the_module_defines_the_expected_exceptions() -> None:
     names = {c.__name__ for c in CLASSES}
     assert {"ResilientError", "ConfigurationError", "StoreUnavailable", "SchemaError",
             "StaleClaimError", "CheckpointError", "SerializationError", "WorkKeyConflict",
-            "LedgerKeyError", "ContextNotFound", "ContextConflict", "WorkDead"} <= names
+            "LedgerKeyError", "ContextNotFound", "ContextConflict", "WorkDead",
+            "WorkStopped"} <= names
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)

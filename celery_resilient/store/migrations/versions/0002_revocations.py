@@ -1,4 +1,4 @@
-"""Revoked task ids outlive the workers' memory; work is found by task id.
+"""Revoked task ids outlive the workers' memory; work is found by task id; retry generation.
 
 Revision ID: 0002
 Revises: 0001
@@ -27,10 +27,14 @@ def upgrade() -> None:
     )
     op.create_index(f"ix_{p}revocations_created_at", f"{p}revocations", ["created_at"])
     op.create_index(f"ix_{p}work_task_id", f"{p}work", ["task_id"])
+    with op.batch_alter_table(f"{p}work") as batch:
+        batch.add_column(sa.Column("retries", sa.Integer, nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
     p = table_prefix()
+    with op.batch_alter_table(f"{p}work") as batch:
+        batch.drop_column("retries")
     op.drop_index(f"ix_{p}work_task_id", table_name=f"{p}work")
     op.drop_index(f"ix_{p}revocations_created_at", table_name=f"{p}revocations")
     op.drop_table(f"{p}revocations")
