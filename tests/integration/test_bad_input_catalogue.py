@@ -277,13 +277,16 @@ def test_malformed_kill_point_spec_is_refused(spec: str, named: str) -> None:
 
 
 def test_checkpoint_outside_a_running_task_is_a_clear_error() -> None:
+    """A direct call ``job()`` runs as in Celery (issue 10: in-memory progress); ``job.run()``
+    bypasses ``__call__``, so there is no execution at all: a clear error says so."""
     app = Celery("direct", broker="memory://", set_as_current=False)
     Resilient(app)
 
     @app.task(base=ResumableTask, bind=True, shared=False)
     def job(self: ResumableTask) -> Any:
-        return self.checkpoint.load()
+        return self.checkpoint.load(default="fresh")
 
-    with pytest.raises(ResilientError, match="only while the task runs under a worker"):
-        job()
+    assert job() == "fresh"
+    with pytest.raises(ResilientError, match=r"task.run\(...\) bypasses them"):
+        job.run()
 
