@@ -149,7 +149,18 @@ def cancel(rt: Resilient, selection: Selection, reason: str | None = None,
                      t.owner_node, extra={"action": "operator_cancelled",
                                           "work_key": t.work_key, "task_id": t.task_id,
                                           "previous_state": t.previous_state})
+            _report_cancelled(rt, t.task_id, reason)
     return report
+
+
+def _report_cancelled(rt: Resilient, task_id: str, reason: str | None) -> None:
+    """The caller sees REVOKED now: a cancelled request never writes a result of its own
+    (its execution, if any, is refused at its next write), and its owner may be gone."""
+    why = f"cancelled by operator: {reason}" if reason else "cancelled by operator"
+    try:
+        rt.app.backend.mark_as_revoked(task_id, why)
+    except Exception as exc:  # no result backend, or it is down: the store has the state
+        log.info("result of %s not marked revoked: %s", task_id, exc)
 
 
 def retry(rt: Resilient, selection: Selection, dry_run: bool = False) -> ActionReport:

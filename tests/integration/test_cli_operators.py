@@ -922,3 +922,23 @@ def test_retry_with_the_broker_down_leaves_the_work_requeued_for_the_sweep(
     row = store.get_work("k-failed")
     assert row is not None and row.state == "requeued"
     assert row.lease_expires_at is not None  # the sweeper re-sends it when this runs out
+
+
+def test_cancel_shows_revoked_to_the_caller_at_once(store: Store, redis_url: str) -> None:
+    """A cancelled request writes no result of its own, and its owner may be gone: the caller
+    sees REVOKED as soon as the operator cancels (found by the adversarial review)."""
+    app = make_app(store, redis_url, result_backend=redis_url)
+    try:
+        run(store, "k-caller", owner("gone@host"), task_id="t-caller")
+        store.record_receipt("k-queued", "proj.job", "t-queued", None, '{"m": 1}',
+                             owner("w@host"), 300)
+        assert app.AsyncResult("t-caller").state == "PENDING"
+        data = invoke_json(app, "cancel", "k-caller", "k-queued", "--reason", "operator test")
+        assert len(data["changed"]) == 2
+        for task_id in ("t-caller", "t-queued"):
+            result = app.AsyncResult(task_id)
+            assert result.state == "REVOKED"
+            assert "operator test" in str(result.result)
+            result.forget()
+    finally:
+        app.close()
