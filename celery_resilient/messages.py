@@ -71,8 +71,9 @@ def from_signature(signature: Any) -> str | None:
 
 
 def publish(connection: Connection, message_json: str, extra_headers: dict[str, Any],
-            app: Any = None) -> None:
-    """Send a stored message again, unchanged but for ``extra_headers``."""
+            app: Any = None, retries: int | None = None) -> None:
+    """Send a stored message again, unchanged but for ``extra_headers`` and, when given,
+    Celery's ``retries`` (the try the copy is sent as)."""
     m = json.loads(message_json)
     if "signature" in m:
         if app is None:
@@ -82,6 +83,8 @@ def publish(connection: Connection, message_json: str, extra_headers: dict[str, 
         sig = app.signature(decode(json.dumps(m["signature"])))
         options = sig.options
         options["headers"] = {**(options.get("headers") or {}), **extra_headers}
+        if retries is not None:
+            options["retries"] = retries
         sig.apply_async(producer=connection.Producer(), **{})  # type: ignore[no-untyped-call]
         return
     body_field = m["body"]
@@ -89,6 +92,8 @@ def publish(connection: Connection, message_json: str, extra_headers: dict[str, 
     body = (base64.b64decode(body_field["b64"]) if "b64" in body_field
             else body_field["text"].encode(encoding))  # always bytes: never re-encoded
     headers = {**m.get("headers", {}), **extra_headers}
+    if retries is not None and "task" in headers:  # protocol 2 keeps retries in the headers
+        headers["retries"] = max(retries, int(headers.get("retries") or 0))
     producer: Any = connection.Producer()  # type: ignore[no-untyped-call]
     producer.publish(
         body,

@@ -44,7 +44,8 @@ def sweep(rt: Resilient, owner: Owner) -> list[Orphan]:
                           orphan.work_key, extra={**extra, "action": "unrecoverable"})
                 continue
             try:
-                messages.publish(conn, orphan.message_json, {REPUBLISHED_HEADER: 1}, rt.app)
+                messages.publish(conn, orphan.message_json, {REPUBLISHED_HEADER: 1}, rt.app,
+                                 retries=orphan.retries)
             except Exception as exc:
                 # The row keeps a lease of submit_timeout: a later sweep sends it again.
                 log.warning("re-publish of %s failed: %s", orphan.work_key, exc,

@@ -71,7 +71,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("hand_back", (RUNNING,), REQUEUED, "pool process",
                "self.retry (within max_retries), Reject(requeue=True) or self.replace: the "
                "next message takes it, no death counted; copies of earlier tries never do"),
-    Transition("revoke", OPEN_STATES, REVOKED,
+    Transition("revoke", (NEW, *OPEN_STATES), REVOKED,
                "worker main process, or the take or sweep that meets a revoked task id",
                "revoked by id (running work only with terminate=True, or when its owner "
                "dies after the revoke)"),

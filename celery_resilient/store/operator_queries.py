@@ -236,6 +236,16 @@ class OperatorQueries:
 
         def act(conn: Connection, rows: list[Any]) -> list[Target]:
             keys = [r.work_key for r in rows]
+            # Remember each key's last epoch: its next row continues from there, so an
+            # execution of the forgotten work can never write into new work of the same key.
+            fg = self.t.forgotten
+            at = float(conn.execute(select(self.store.dialect.now())).scalar_one())
+            ins = self.store.dialect.insert(fg)
+            conn.execute(ins.on_conflict_do_update(
+                index_elements=[fg.c.work_key],
+                set_={"epoch": ins.excluded.epoch, "forgotten_at": ins.excluded.forgotten_at}),
+                [{"work_key": k, "epoch": e, "forgotten_at": at} for k, e in
+                 conn.execute(select(w.c.work_key, w.c.epoch).where(w.c.work_key.in_(keys)))])
             counts["checkpoints"] += conn.execute(delete(c).where(c.c.work_key.in_(keys))
                                                   ).rowcount
             counts["steps"] += conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount

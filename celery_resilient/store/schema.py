@@ -37,6 +37,7 @@ class Tables:
     contexts: Table
     workers: Table
     revocations: Table
+    forgotten: Table
 
 
 def build_tables(prefix: str = "resilient_") -> Tables:
@@ -143,5 +144,14 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("created_at", Float, nullable=False),
         Index(f"ix_{p}revocations_created_at", "created_at"),
     )
+    # The last epoch of work an operator forgot: the key's next row continues from it, so an
+    # execution of the forgotten work (cancelled, still running) can never write into it.
+    forgotten = Table(
+        f"{p}forgotten", md,
+        Column("work_key", String(KEY), primary_key=True),
+        Column("epoch", BigInteger, nullable=False),
+        Column("forgotten_at", Float, nullable=False),
+        Index(f"ix_{p}forgotten_forgotten_at", "forgotten_at"),
+    )
     return Tables(md, work, checkpoints, steps, ledger, schedule_runs, schedule_markers,
-                  contexts, workers, revocations)
+                  contexts, workers, revocations, forgotten)

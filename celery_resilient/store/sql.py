@@ -145,6 +145,9 @@ class Orphan:
     message_json: str | None
     previous_state: str
     previous_owner: str | None
+    #: The try (Celery ``retries``) that holds or last held the claim: the re-published copy
+    #: is sent as that try, or the take would refuse it as a stale copy of an earlier one.
+    retries: int = 0
 
 
 @dataclass(frozen=True)
@@ -242,10 +245,15 @@ class _Hot:
                 set_={"epoch": up.excluded.epoch, "seq": c.c.seq + 1,
                       "state_json": up.excluded.state_json, "updated_at": up.excluded.updated_at},
             ).returning(c.c.seq).add_cte(fenced)
+        fg = t.forgotten
+        # A key's first row starts at epoch 0, or where its forgotten predecessor ended.
+        self.first_epoch = func.coalesce(
+            select(fg.c.epoch).where(fg.c.work_key == bindparam("work_key", type_=String))
+            .scalar_subquery(), 0)
         ins = dialect.insert(w).values(
             work_key=bindparam("work_key"), task_name=bindparam("task_name"),
             task_id=bindparam("task_id"), args_digest=bindparam("args_digest", type_=String),
-            state=RESERVED, epoch=0, owner_node=bindparam("node"),
+            state=RESERVED, epoch=self.first_epoch, owner_node=bindparam("node"),
             incarnation=bindparam("inc"), owner_pid=None,
             lease_expires_at=now + bindparam("lease", type_=Float), attempts=0, deaths=0,
             republished=0, message_json=bindparam("message_json", type_=Text),
@@ -354,6 +362,12 @@ class Store:
             conn.rollback()
         return float(value)
 
+    def _first_epoch(self, work_key: str) -> Any:
+        """Epoch 0 for a new key, or the last epoch of the key's forgotten predecessor."""
+        fg = self.t.forgotten
+        return func.coalesce(
+            select(fg.c.epoch).where(fg.c.work_key == work_key).scalar_subquery(), 0)
+
     def fence(self, conn: Connection, work_key: str, epoch: int) -> None:
         """Refuse the transaction unless ``epoch`` still holds the running claim."""
         res = conn.execute(self._hot.fence, {"k": work_key, "e": epoch})
@@ -430,7 +444,8 @@ class Store:
         now = self.dialect.now()
         stmt = self.dialect.insert(w).values(
             work_key=work_key, task_name=task_name, task_id=task_id, args_digest=args_digest,
-            state=REQUEUED, epoch=0, lease_expires_at=now + timeout, attempts=0, deaths=0,
+            state=REQUEUED, epoch=self._first_epoch(work_key), lease_expires_at=now + timeout,
+            attempts=0, deaths=0,
             republished=0, message_json=message_json, created_at=now, updated_at=now,
         ).on_conflict_do_nothing(index_elements=[w.c.work_key])
         with self.begin() as conn:
@@ -493,10 +508,14 @@ class Store:
         if row is None:
             # Taken before the worker's receipt was flushed: keep a message that can be
             # re-published anyway (the receipt, when it lands, replaces it with the original).
+            fg = self.t.forgotten
+            base = int(conn.execute(select(fg.c.epoch).where(fg.c.work_key == work_key)
+                                    ).scalar_one_or_none() or 0)
+            epoch = base if revoked else base + 1
             conn.execute(w.insert().values(
                 work_key=work_key, task_name=task_name, task_id=task_id,
                 args_digest=args_digest, state=REVOKED if revoked else RUNNING,
-                epoch=0 if revoked else 1, owner_node=owner.node,
+                epoch=epoch, owner_node=owner.node,
                 incarnation=owner.incarnation, owner_pid=owner.pid,
                 lease_expires_at=now + lease_seconds, attempts=0 if revoked else 1, deaths=0,
                 republished=0, retries=retries,
@@ -505,7 +524,7 @@ class Store:
             ))
             if revoked:
                 return TakeOutcome("stopped", reason=REVOKED)
-            return TakeOutcome("run", Claim(work_key, 1, 1, 0))
+            return TakeOutcome("run", Claim(work_key, epoch, 1, 0))
         if args_digest and row.args_digest and args_digest != row.args_digest:
             raise WorkKeyConflict(
                 f"work key {work_key!r} was already used by task {row.task_id} with different "
@@ -529,11 +548,13 @@ class Store:
                     "held", reason=f"running on {row.owner_node} (epoch {row.epoch})")
             # A copy re-sent by the execution itself (store outage, retry) replaces it.
             died = row.epoch != supersedes
-        deaths = row.deaths + (1 if died else 0)
-        if revoked and row.state in OPEN_STATES:
-            # Revoked by id: a copy delivered after a restart, or one this worker never
-            # heard the revoke for, ends here; running work ends when its owner is gone.
-            self._end(conn, work_key, REVOKED, deaths=deaths, error="revoked by task id")
+        # A new request for a key whose earlier request ended starts a fresh crash count.
+        deaths = (0 if row.state in ENDED_BY_REQUEST else row.deaths) + (1 if died else 0)
+        if revoked:
+            # Revoked by id: a copy delivered after a restart, or one this worker never heard
+            # the revoke for, runs nothing; the work ends only if it is this request's.
+            if row.state in OPEN_STATES and row.task_id == task_id:
+                self._end(conn, work_key, REVOKED, deaths=deaths, error="revoked by task id")
             return TakeOutcome("stopped", reason=REVOKED)
         if deaths >= max_attempts:
             reason = f"its execution died {deaths} times (resilient_max_attempts={max_attempts})"
@@ -757,7 +778,7 @@ class Store:
         with self.begin() as conn:
             rows = conn.execute(
                 select(w.c.work_key, w.c.task_id, w.c.task_name, w.c.message_json, w.c.state,
-                       w.c.owner_node, w.c.deaths, w.c.republished, revoked)
+                       w.c.owner_node, w.c.deaths, w.c.republished, w.c.retries, revoked)
                 .where(w.c.state.in_(OPEN_STATES),
                        or_(w.c.lease_expires_at < now, earlier_self))
                 .order_by(w.c.created_at)
@@ -792,7 +813,7 @@ class Store:
                     deaths=w.c.deaths + death, updated_at=now,
                 ))
                 orphans.append(Orphan(r.work_key, r.task_id, r.task_name, r.message_json,
-                                      r.state, r.owner_node))
+                                      r.state, r.owner_node, int(r.retries)))
         return orphans
 
     # -- reads for operators and tests ----------------------------------------------------

@@ -17,7 +17,7 @@ from celery_resilient.store.schema import build_tables
 from celery_resilient.store.sql import Store
 
 TABLES = ("work", "checkpoints", "steps", "ledger", "schedule_runs", "schedule_markers",
-          "contexts", "workers", "revocations")
+          "contexts", "workers", "revocations", "forgotten")
 
 
 def _ours(store: Store) -> set[str]:

@@ -69,5 +69,6 @@ def _empty(rt: Resilient) -> None:
     t = rt.store.t
     with rt.store.begin() as conn:
         for table in (t.work, t.checkpoints, t.steps, t.ledger, t.schedule_runs,
-                      t.schedule_markers, t.contexts, t.workers, t.revocations):
+                      t.schedule_markers, t.contexts, t.workers, t.revocations,
+                      t.forgotten):
             conn.execute(table.delete())
