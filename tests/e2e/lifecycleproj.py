@@ -145,6 +145,26 @@ def _body_outcomes(task: Define, ran: Ran) -> None:
         ran(self)
         raise Reject("dropped", requeue=False)
 
+    class KeyedByLabel(ResumableTask):
+        """A logical work key from the first argument (``derive_work_key``)."""
+
+        def derive_work_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+            return f"label:{args[0]}"
+
+    @task("retry_new_args", base=KeyedByLabel, max_retries=3)
+    def retry_new_args(self: ResumableTask, label: str) -> str:
+        """Retries once with another argument, so the retry derives another work key."""
+        ran(self, key=self.work_key)
+        if self.request.retries == 0:
+            raise self.retry(args=(f"{label}-v2",), countdown=0.2)
+        return label
+
+    @task("replacer")
+    def replacer(self: ResumableTask, n: int) -> None:
+        """Replaces itself with ``succeed(n)``, which runs under this task id."""
+        ran(self)
+        raise self.replace(self.app.signature(f"{NAME}.succeed", args=(n,), immutable=True))
+
 
 def _stops_and_limits(task: Define, ran: Ran) -> None:
     """Outcomes decided outside the body: revoke, expires, time limits."""

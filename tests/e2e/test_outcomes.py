@@ -100,6 +100,21 @@ class Lab:
             raise AssertionError(f"{exc}\nnow: {self.describe(task_id)}\n"
                                  f"worker log:\n{worker.process.all_logs()[-6000:]}") from None
 
+    def settle_key(self, work_key: str, task_id: str, worker: LocalWorker, work_state: str,
+                   async_state: str, timeout: float = SETTLE) -> None:
+        """``settle`` for work whose key is not its task id (derive_work_key)."""
+        def state() -> str | None:
+            row = self.store.get_work(work_key)
+            return None if row is None else row.state
+
+        try:
+            wait_for(lambda: state() == work_state and self.async_state(task_id) == async_state,
+                     timeout, f"{work_key} {work_state} and caller {async_state}", interval=0.1)
+        except WaitTimeout as exc:
+            raise AssertionError(f"{exc}\nnow: {work_key} {state()}, caller "
+                                 f"{self.async_state(task_id)}\n"
+                                 f"worker log:\n{worker.process.all_logs()[-6000:]}") from None
+
     def last_heartbeat(self, worker: LocalWorker) -> float | None:
         wk = self.store.t.workers
         with self.store.engine.connect() as conn:
@@ -254,6 +269,51 @@ def test_autoretry_for_with_retry_backoff(make_lab: Callable[..., Lab]) -> None:
     assert all(g >= 0.9 for g in gaps), f"retry_backoff (1 s) not respected: {gaps}"
     row = lab.store.get_work(task_id)
     assert row is not None and row.deaths == 0 and row.epoch == 3
+
+
+def test_retry_with_arguments_of_another_work_key_runs_once(
+        make_lab: Callable[..., Lab]) -> None:
+    """Found by the adversarial review: the old key was left requeued and re-published for
+    ever, each copy running the body again. Now it ends ``ignored`` and the retry runs once."""
+    lab = make_lab()
+    worker = lab.worker()
+    label = f"L-{uuid.uuid4().hex[:8]}"
+    task_id = lab.send("retry_new_args", label)
+    lab.settle_key(f"label:{label}-v2", task_id, worker, "done", "SUCCESS")
+    assert lab.meta(task_id)["result"] == f"{label}-v2"
+    assert [r["key"] for r in lab.run_entries(task_id)] == [f"label:{label}",
+                                                           f"label:{label}-v2"]
+
+    def violation() -> str:
+        old, new = lab.store.get_work(f"label:{label}"), lab.store.get_work(f"label:{label}-v2")
+        problems = []
+        if old is None or old.state != "ignored":
+            problems.append(f"old key {old and old.state}")
+        if new is None or new.state != "done":
+            problems.append(f"new key {new and new.state}")
+        if lab.runs(task_id) != 2:
+            problems.append(f"body ran {lab.runs(task_id)} times")
+        return "; ".join(problems)
+
+    try:
+        found = wait_for(violation, WINDOW, "the retried work to change", interval=0.2)
+    except WaitTimeout:
+        found = ""
+    assert not found, f"{found}\n{worker.process.all_logs()[-6000:]}"
+    old = lab.store.get_work(f"label:{label}")
+    assert old is not None and "retried as work" in (old.error or "")
+
+
+def test_replace_runs_the_replacement_under_the_task_id(make_lab: Callable[..., Lab]) -> None:
+    """Found by the adversarial review: the replacement was refused (WorkKeyConflict)."""
+    lab = make_lab()
+    worker = lab.worker()
+    task_id = lab.send("replacer", 21)
+    meta = lab.verify(task_id, worker, "done", "SUCCESS", runs=2)  # replacer, then succeed
+    assert meta["result"] == 42
+    assert [r["task"] for r in lab.run_entries(task_id)] == ["replacer", "succeed"]
+    row = lab.store.get_work(task_id)
+    assert row is not None and (row.epoch, row.deaths) == (2, 0), lab.describe(task_id)
 
 
 def test_ignore(make_lab: Callable[..., Lab]) -> None:
