@@ -316,6 +316,28 @@ def test_replace_runs_the_replacement_under_the_task_id(make_lab: Callable[..., 
     assert row is not None and (row.epoch, row.deaths) == (2, 0), lab.describe(task_id)
 
 
+def test_a_late_copy_of_done_work_sends_no_chain_step_again(
+        make_lab: Callable[..., Lab]) -> None:
+    """Found by the adversarial review: a redelivered copy of done work "succeeded" again and
+    Celery sent the next chain step a second time."""
+    from celery import chain
+
+    lab = make_lab()
+    worker = lab.worker()
+    first, second = (f"succeed-{uuid.uuid4().hex[:12]}" for _ in range(2))
+    q = lab.project.queue
+    chain(lab.client.signature(f"{APP}.succeed", args=(1,), task_id=first, queue=q),
+          lab.client.signature(f"{APP}.succeed", args=(), task_id=second, queue=q)
+          ).apply_async()
+    lab.settle(second, worker, "done", "SUCCESS")
+    assert lab.meta(second)["result"] == 4  # (1 * 2) * 2
+    lab.republish_stored(first)  # a late copy of the first step, its chain included
+    wait_for(lambda: "already done and reported" in worker.process.all_logs(), SETTLE,
+             "the late copy to be acknowledged without a second success")
+    lab.holds(second, worker, "done", "SUCCESS", runs=1)
+    assert lab.runs(first) == 1
+
+
 def test_ignore(make_lab: Callable[..., Lab]) -> None:
     lab = make_lab()
     worker = lab.worker()

@@ -162,3 +162,36 @@ def test_outcome_buffer_keeps_outcomes_through_a_store_outage(store: Store) -> N
     assert _state(store, "ko") == "running"
     assert buf.flush(Runtime(store)) == 1  # type: ignore[arg-type]
     assert _state(store, "ko") == "failed"
+
+
+def test_the_sweep_reports_work_it_ends_to_the_result_backend(store: Store,
+                                                               redis_url: str) -> None:
+    """Found by the adversarial review: revoked work whose owner died ended in the store, but
+    its caller waited on STARTED for ever (nobody else writes that request's result)."""
+    from celery import Celery
+
+    from celery_resilient import Resilient
+    from celery_resilient.recovery import sweep
+
+    app = Celery("sweep-report", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(resilient_store_url=store.url, resilient_table_prefix=store.prefix,
+                    resilient_max_republish=1)
+    rt = Resilient(app)
+    try:
+        run(store, "gone-revoked", owner("dead@host"), task_id="t-gone-revoked")
+        store.record_revocations(["t-gone-revoked"])
+        expire(store, "gone-revoked")
+        store.record_submission("never", "proj.task", "t-never", None, '{"m": 1}', 10)
+        with store.begin() as conn:  # already re-published once, never started
+            conn.execute(store.t.work.update().where(store.t.work.c.work_key == "never")
+                         .values(republished=1))
+        expire(store, "never")
+        assert sweep(rt, owner("sweeper@host")) == []
+        revoked, dead = app.AsyncResult("t-gone-revoked"), app.AsyncResult("t-never")
+        assert revoked.state == "REVOKED" and "owner died" in str(revoked.result)
+        assert dead.state == "FAILURE" and type(dead.result).__name__ == "WorkDead"
+        assert _state(store, "gone-revoked") == "revoked" and _state(store, "never") == "dead"
+        revoked.forget()
+        dead.forget()
+    finally:
+        app.close()
