@@ -10,7 +10,6 @@ how many times the body ran, independently of the store.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -20,8 +19,10 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_resilient import Resilient, ResumableTask
+from celery_resilient import ResumableTask
 from celery_resilient.testing import EffectLog
+
+from .envapp import app_from_env
 
 NAME = "tests.e2e.lifecycleproj"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/9"
@@ -59,17 +60,7 @@ def _sleep_until(seconds: float, gate: str | None) -> None:
 
 
 def create_app(env: Mapping[str, str]) -> Celery:
-    app = Celery("lifecycleproj", broker=env.get("RESILIENT_BROKER", DEFAULT_REDIS),
-                 backend=result_backend_for(env), set_as_current=False)
-    app.conf.update(
-        resilient_store_url=env.get("RESILIENT_STORE_URL") or None,
-        resilient_table_prefix=env.get("RESILIENT_TABLE_PREFIX", "resilient_"),
-        task_default_queue=env.get("RESILIENT_QUEUE", "celery"),
-        worker_prefetch_multiplier=4,
-        broker_connection_retry_on_startup=True,
-    )
-    app.conf.update(json.loads(env.get("RESILIENT_EXTRA", "{}")))
-    Resilient(app)
+    app = app_from_env("lifecycleproj", env, backend=result_backend_for(env))
     effects = EffectLog(env.get("RESILIENT_EFFECT_LOG", os.devnull))
 
     def ran(task: ResumableTask, **details: Any) -> None:

@@ -8,7 +8,6 @@ task classes, as durable submit needs).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -16,22 +15,14 @@ from collections.abc import Mapping
 from celery import Celery
 from sqlalchemy import text
 
-from celery_resilient import Resilient, ResumableTask, StaleClaimError
+from celery_resilient import ResumableTask, StaleClaimError
 from celery_resilient.testing import EffectLog
+
+from .envapp import app_from_env
 
 
 def create_app(env: Mapping[str, str]) -> Celery:
-    app = Celery("proj", broker=env.get("RESILIENT_BROKER", "redis://127.0.0.1:6379/9"),
-                 set_as_current=False)
-    app.conf.update(
-        resilient_store_url=env.get("RESILIENT_STORE_URL") or None,
-        resilient_table_prefix=env.get("RESILIENT_TABLE_PREFIX", "resilient_"),
-        task_default_queue=env.get("RESILIENT_QUEUE", "celery"),
-        worker_prefetch_multiplier=4,
-        broker_connection_retry_on_startup=True,
-    )
-    app.conf.update(json.loads(env.get("RESILIENT_EXTRA", "{}")))
-    Resilient(app)
+    app = app_from_env("proj", env)
     effects = EffectLog(env.get("RESILIENT_EFFECT_LOG", os.devnull))
 
     def charge(work_key: str) -> str:
