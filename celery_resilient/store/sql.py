@@ -687,7 +687,18 @@ class Store:
             res = conn.execute(self._hot.close, {"k": work_key, "e": epoch, "state": state,
                                                  "result_json": result_json, "error": error})
         if res.rowcount != 1:
+            if state == DONE and self._already_finished(work_key, epoch, result_json):
+                return  # this very finish committed; its reply was lost and it was retried
             raise self._refused(work_key, epoch, f"its {state} result was not recorded")
+
+    def _already_finished(self, work_key: str, epoch: int, result_json: str | None) -> bool:
+        w = self.t.work
+        with self.engine.connect() as conn:
+            row = conn.execute(select(w.c.state, w.c.epoch, w.c.result_json)
+                               .where(w.c.work_key == work_key)).first()
+            conn.rollback()
+        return row is not None and (row.state, int(row.epoch), row.result_json) == (
+            DONE, epoch, result_json)
 
     @guarded
     def heartbeat(self, owner: Owner, lease_seconds: float,

@@ -119,3 +119,22 @@ def test_stale_copies_of_an_earlier_try_never_run(store: Store) -> None:
                       never_live, retries=0)
     assert late.action in ("duplicate", "held")
     assert store.get_work("try").epoch == first.epoch + 1  # type: ignore[union-attr]
+
+
+def test_a_finish_retried_after_its_commit_landed_succeeds(store: Store) -> None:
+    """The finish committed but its reply was lost (the connection dropped): the store layer
+    runs it again on a fresh connection. It must succeed, or the task is reported IGNORED
+    and its callbacks never fire; any other writer is still refused."""
+    from celery_resilient.errors import StaleClaimError
+
+    claim = run(store, "fin", owner("a@host"))
+    store.finish("fin", claim.epoch, '"r"')
+    store.finish("fin", claim.epoch, '"r"')  # the retried statement of the same finish
+    try:
+        store.finish("fin", claim.epoch, '"other"')
+    except StaleClaimError:
+        pass
+    else:
+        raise AssertionError("a different result over a done claim was accepted")
+    row = store.get_work("fin")
+    assert row is not None and (row.state, row.result_json) == ("done", '"r"')
