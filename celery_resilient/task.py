@@ -50,7 +50,8 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     acks_late = True
     reject_on_worker_lost = True
-    #: The main process's request: records a hard time limit as the task's failure.
+    #: The main process's request: records a hard time limit as the task's failure, and
+    #: releases the message from the worker's held requests when it is acked or rejected.
     Request = "celery_resilient.outcomes:ResumableRequest"
 
     # -- hooks users may override ---------------------------------------------------------
@@ -128,8 +129,7 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _publish_progress(self, done: int, total: int) -> None:
         """``checkpoint.save(..., progress=(done, total))``: the ``PROGRESS`` state, if stored."""
-        if self.request.called_directly or self.ignore_result or self.request.ignore_result \
-                or isinstance(self.backend, DisabledBackend):
+        if self.request.called_directly or not self._stores_results():
             return
         try:
             self.update_state(state="PROGRESS", meta={"done": done, "total": total})
@@ -312,8 +312,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         (and Celery sends the request's callbacks again: docs/reliability.md).
         """
         req = self.request
-        if req.is_eager or self.ignore_result or req.ignore_result or isinstance(
-                self.backend, DisabledBackend):
+        if req.is_eager or not self._stores_results():
             return False
         try:
             return bool(self.backend.get_state(req.id) == "SUCCESS")
@@ -321,10 +320,14 @@ class ResumableTask(Task):  # type: ignore[misc]
             log.warning("result backend unreadable for %s: %s", req.id, exc)
             return False
 
+    def _stores_results(self) -> bool:
+        return not (self.ignore_result or self.request.ignore_result
+                    or isinstance(self.backend, DisabledBackend))
+
     def _report_revoked(self, reason: str) -> None:
         """The caller sees REVOKED, as for a request Celery itself discarded."""
         req = self.request
-        if self.ignore_result or req.ignore_result or isinstance(self.backend, DisabledBackend):
+        if not self._stores_results():
             return
         try:
             self.backend.mark_as_revoked(req.id, reason, request=req)

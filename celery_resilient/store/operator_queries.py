@@ -180,15 +180,13 @@ class OperatorQueries:
                dry_run: bool = False) -> ActionReport:
         """Open work -> ``cancelled``; a running execution stops at its next fenced write."""
         w = self.t.work
-        now = self.store.dialect.now()
         error = CANCELLED_BY_OPERATOR + (f": {reason.strip()}" if reason and reason.strip()
                                          else "")
 
         def act(conn: Connection, rows: list[Any]) -> list[Target]:
             keys = [r.work_key for r in rows]
             conn.execute(update(w).where(w.c.work_key.in_(keys), w.c.state.in_(OPEN_STATES))
-                         .values(state=CANCELLED, error=error[:4000], owner_pid=None,
-                                 lease_expires_at=None, updated_at=now, finished_at=now))
+                         .values(**self.store.ended(CANCELLED, error)))
             return [_target(r) for r in rows]
 
         return self._apply("cancel", selection, dry_run, act)

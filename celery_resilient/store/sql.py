@@ -570,15 +570,18 @@ class Store:
         ))
         return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths))
 
+    def ended(self, state: str, error: str) -> dict[str, Any]:
+        """The column values of every transition to a terminal ``state`` but ``done``."""
+        now = self.dialect.now()
+        return {"state": state, "error": error[:4000], "owner_pid": None,
+                "lease_expires_at": None, "updated_at": now, "finished_at": now}
+
     def _end(self, conn: Connection, work_key: str, state: str, error: str,
              deaths: Any = None) -> None:
         """Move ``work_key`` to a terminal ``state`` inside ``conn``'s transaction."""
         w = self.t.work
-        now = self.dialect.now()
         conn.execute(update(w).where(w.c.work_key == work_key).values(
-            state=state, error=error, owner_pid=None, lease_expires_at=None, updated_at=now,
-            finished_at=now, deaths=w.c.deaths if deaths is None else deaths,
-        ))
+            **self.ended(state, error), deaths=w.c.deaths if deaths is None else deaths))
 
     def _take_fast(self, conn: Connection, work_key: str, task_id: str,
                    args_digest: str | None, owner: Owner, lease_seconds: float,
@@ -649,7 +652,6 @@ class Store:
         ``revoke(terminate=True)``. Returns how many rows changed (0 when it already ended).
         """
         w = self.t.work
-        now = self.dialect.now()
         ending: ColumnElement[bool] = w.c.state.in_(OPEN_STATES)
         if state == EXPIRED:
             # Celery puts an expired id on its revoke list before it announces the expiry:
@@ -658,8 +660,7 @@ class Store:
         with self.begin() as conn:
             return int(conn.execute(
                 update(w).where(w.c.task_id == task_id, ending)
-                .values(state=state, error=error[:4000], owner_pid=None, lease_expires_at=None,
-                        updated_at=now, finished_at=now)).rowcount)
+                .values(**self.ended(state, error))).rowcount)
 
     @guarded
     def record_revocations(self, task_ids: Sequence[str]) -> int:
@@ -678,8 +679,7 @@ class Store:
                 index_elements=[rv.c.task_id]), [{"task_id": i} for i in ids])
             return int(conn.execute(
                 update(w).where(w.c.task_id.in_(ids), w.c.state.in_((RESERVED, REQUEUED)))
-                .values(state=REVOKED, error=REVOKE_LIST_ERROR, owner_pid=None,
-                        lease_expires_at=None, updated_at=now, finished_at=now)).rowcount)
+                .values(**self.ended(REVOKED, REVOKE_LIST_ERROR))).rowcount)
 
     def _close(self, work_key: str, epoch: int, state: str, result_json: str | None = None,
                error: str | None = None) -> None:
