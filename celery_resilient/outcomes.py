@@ -142,7 +142,7 @@ class RevokeWatcher:
 
     def pending(self) -> list[str]:
         try:
-            current = set(celery_revoked._data)  # a copy: the event loop keeps adding
+            current = set(celery_revoked)  # a copy: the event loop keeps adding
         except RuntimeError:  # changed while copied: next round
             return []
         self._recorded &= current  # forget what Celery forgot
