@@ -38,7 +38,8 @@ from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, get_redi
 
 from celery_resilient import signals, workkey
 from celery_resilient.app import Resilient
-from celery_resilient.beat import liveness, windows
+from celery_resilient import liveness
+from celery_resilient.beat import windows
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
 from celery_resilient.config import sanitize_url

@@ -1,9 +1,11 @@
-"""Who a beat process is, and whether a recorded beat is provably dead.
+"""Who a process is, and whether a recorded process is provably dead.
 
-A beat records this identity next to RedBeat's lock and on every slot it claims. A successor
-on the same host (same kernel boot, same PID namespace) can then prove its predecessor dead
-from ``/proc`` and take over at once instead of waiting for the lock to expire. Anything it
-cannot prove (another host, another PID namespace) counts as alive: waiting is safe.
+A worker incarnation records this identity in its ``workers`` row; a beat records it next to
+RedBeat's lock and on every slot it claims. A successor on the same host (same kernel boot,
+same PID namespace) can then prove its predecessor dead from ``/proc`` and take over at once
+instead of waiting for a lease or lock to expire. Anything it cannot prove counts as alive:
+another host, another PID namespace, or another boot id under the same host name (two
+machines or containers sharing a name). Waiting for the lease is safe; a takeover is not.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import socket
 import uuid
 from functools import lru_cache
 
-from ..identity import pid_alive
+from .identity import pid_alive
 
 SEP = "|"
 
@@ -72,9 +74,9 @@ def is_dead(identity: str | None) -> bool:
     host, boot, pidns, pid_text, started, _tag = parts
     if host != socket.gethostname():
         return False
-    if boot != _boot_id():
-        return True  # same host, rebooted since
-    if pidns != _pid_namespace() or not pid_text.isdigit():
+    if boot != _boot_id() or pidns != _pid_namespace() or not pid_text.isdigit():
+        # A reboot and a second machine with the same host name look alike: only the
+        # holder's own lease or lock expiry can tell them apart.
         return False
     if identity == current():
         return False
