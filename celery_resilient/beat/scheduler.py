@@ -36,9 +36,8 @@ from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
 from redbeat.decoder import RedBeatJSONEncoder
 from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, get_redis
 
-from celery_resilient import signals, workkey
+from celery_resilient import liveness, signals, workkey
 from celery_resilient.app import Resilient
-from celery_resilient import liveness
 from celery_resilient.beat import windows
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
