@@ -40,6 +40,7 @@ class Resilient:
         from .worker import ResilientWorkerStep
 
         app.steps["worker"].add(ResilientWorkerStep)
+        app.steps["worker"].add("celery_resilient.beat.once:SlotOnceStep")  # 1 start per slot
         # Weak receivers: the app holds this object, so they live exactly as long as the app.
         signals.task_received.connect(self._on_task_received)
         signals.task_revoked.connect(self._on_task_revoked)

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from . import codec
+from . import codec, handoff
 from .errors import CheckpointError, SerializationError
 from .execution import Execution
 from .testing import killpoints
@@ -20,7 +20,9 @@ class Checkpoint:
     """``load``/``save``/``clear`` for the running execution's work key.
 
     ``save`` is durable when it returns and fenced: a superseded execution's save raises
-    :class:`StaleClaimError` and changes nothing.
+    :class:`StaleClaimError` and changes nothing. While the worker shuts down warm in
+    hand-off mode, a save that committed ends the execution (the work continues from it on
+    another worker).
     """
 
     def __init__(self, execution: Execution,
@@ -71,6 +73,9 @@ class Checkpoint:
             killpoints.reached("after_checkpoint")
         if progress is not None and self._on_progress is not None:
             self._on_progress(*progress)
+        if self._x.can_hand_off and handoff.requested():
+            raise handoff.HandOff(f"work {self._x.work_key!r} hands off at checkpoint "
+                                  f"#{self.sequence}")
         return self.sequence
 
     def clear(self) -> None:

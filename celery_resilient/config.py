@@ -19,6 +19,7 @@ from .errors import ConfigurationError
 PREFIX = "resilient_"
 _TABLE_PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 CATCHUP_POLICIES = ("all", "latest", "skip")
+SHUTDOWN_MODES = ("hand_off", "drain")
 
 
 def default_store_url() -> str:
@@ -39,6 +40,7 @@ class ResilientConfig:
     sweep_interval: float = 5.0
     max_attempts: int = 5
     max_checkpoint_bytes: int = 1_048_576
+    receipt_buffer_bytes: int = 67_108_864
     store_retry_base: float = 1.0
     store_retry_max: float = 60.0
     durable_submit: bool = False
@@ -46,6 +48,9 @@ class ResilientConfig:
     sweep_batch: int = 500
     max_republish: int = 8
     republish_backoff_max: float = 3600.0
+    #: Warm shutdown: "hand_off" (running resumable work moves to another worker at its
+    #: next checkpoint) or "drain" (Celery's: wait for it, leases kept alive meanwhile).
+    shutdown: str = "hand_off"
     catchup: str = "all"
     catchup_max_slots: int = 1000
     catchup_deadline: float | None = None
@@ -105,9 +110,11 @@ class ResilientConfig:
                 "so one missed heartbeat does not expire a live worker's leases",
             )
         for name in ("max_attempts", "max_checkpoint_bytes", "sweep_batch", "max_republish",
-                     "catchup_max_slots", "context_cache_size"):
+                     "catchup_max_slots", "context_cache_size", "receipt_buffer_bytes"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be a positive integer")
+        if self.shutdown not in SHUTDOWN_MODES:
+            raise bad("shutdown", f"must be one of {', '.join(SHUTDOWN_MODES)}")
         if self.catchup not in CATCHUP_POLICIES:
             raise bad("catchup", f"must be one of {', '.join(CATCHUP_POLICIES)}")
         if self.catchup_deadline is not None and self.catchup_deadline <= 0:
@@ -174,6 +181,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "sweep_interval": _as_float,
     "max_attempts": _as_positive_int,
     "max_checkpoint_bytes": _as_positive_int,
+    "receipt_buffer_bytes": _as_positive_int,
     "store_retry_base": _as_float,
     "store_retry_max": _as_float,
     "durable_submit": _as_bool,
@@ -182,6 +190,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "max_republish": _as_positive_int,
     "republish_backoff_max": _as_float,
     "catchup": _as_str,
+    "shutdown": _as_str,
     "catchup_max_slots": _as_positive_int,
     "catchup_deadline": _as_float,
     "catchup_grace": _as_float,

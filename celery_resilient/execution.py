@@ -64,6 +64,9 @@ class Execution:
     epoch: int
     attempts: int
     scratch: ScratchProgress | None = None
+    #: Whether this execution may hand its work off at a warm shutdown (a worker's, with a
+    #: message to re-publish; not eager mode, apply() or a direct call).
+    can_hand_off: bool = False
 
     @property
     def direct(self) -> bool:

@@ -10,8 +10,9 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 
 from . import codec
-from .errors import LedgerKeyError
+from .errors import LedgerKeyError, StoreUnavailable
 from .execution import Execution
+from .store import transient
 from .store.sql import Store
 from .testing import killpoints
 
@@ -100,14 +101,26 @@ class Ledger:
             key = f"{self._x.work_key}:atomic"
         key = _check_key(key)
         wk, epoch = (self._x.work_key, self._x.epoch) if self._x else (None, None)
-        with self._store.begin() as conn:
-            if self._x is not None:
-                self._store.fence(conn, self._x.work_key, self._x.epoch)
-            # Insert the marker first: a concurrent transaction for the same key then waits on
-            # it (PostgreSQL) instead of reading "not applied" and committing its writes too.
-            applied = not self._store.ledger_mark(conn, key, wk, epoch, "null", fence=False)
-            tx = AtomicTransaction(conn, key, applied)
-            yield tx
-            if not applied:
-                self._store.ledger_set_result(
-                    conn, key, codec.encode(tx.result, f"result for ledger key {key!r}"))
+        operation = f"ledger.atomic({key!r})"
+        try:
+            with transient.operation(operation), self._store.begin() as conn:
+                if self._x is not None:
+                    self._store.fence(conn, self._x.work_key, self._x.epoch)
+                # Insert the marker first: a concurrent transaction for the same key then waits
+                # on it (PostgreSQL) instead of reading "not applied" and committing its writes.
+                applied = not self._store.ledger_mark(conn, key, wk, epoch, "null", fence=False)
+                tx = AtomicTransaction(conn, key, applied)
+                yield tx
+                if not applied:
+                    self._store.ledger_set_result(
+                        conn, key, codec.encode(tx.result, f"result for ledger key {key!r}"))
+        except Exception as exc:
+            # The user's block cannot be re-run here, and it was rolled back together with the
+            # marker. A transient error (raised by their statements, ours, or the commit) is a
+            # store outage: the task is re-sent and runs the block again from its checkpoint.
+            # Anything else (their own IntegrityError, a bug) is the task's failure.
+            if not transient.is_transient(exc):
+                raise
+            raise StoreUnavailable(f"store unavailable during {operation}, rolled back "
+                                   f"({transient.describe(exc)}): "
+                                   f"{transient.driver_error(exc)}") from exc

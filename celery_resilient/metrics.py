@@ -15,6 +15,7 @@ counter                                    labels       incremented by
 ``resilient_work_fenced_total``            ``task``     ``signals.work_fenced``
 ``resilient_work_dead_total``              ``task``     ``signals.work_dead``
 ``resilient_slots_caught_up_total``        ``entry``    ``signals.slot_caught_up``
+``resilient_work_handed_off_total``        ``task``     ``signals.work_handed_off``
 =========================================  ===========  ====================================
 """
 
@@ -52,12 +53,16 @@ class ResilientMetrics:
         self.slots_caught_up = Counter(
             "resilient_slots_caught_up", "Missed beat slots sent late",
             ["entry"], registry=registry)
+        self.work_handed_off = Counter(
+            "resilient_work_handed_off", "Executions handed to another worker at shutdown",
+            ["task"], registry=registry)
         self._by_signal: dict[Signal, Counter] = {  # label: the signal's sender
             signals.work_recovered: self.work_recovered,
             signals.duplicate_skipped: self.duplicates_skipped,
             signals.work_fenced: self.work_fenced,
             signals.work_dead: self.work_dead,
             signals.slot_caught_up: self.slots_caught_up,
+            signals.work_handed_off: self.work_handed_off,
         }
         self._uid = f"celery_resilient.metrics:{id(self)}"
 

@@ -17,7 +17,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from . import codec, messages, workkey
-from .errors import ResilientError
+from .errors import ResilientError, SerializationError
 from .store.sql import Receipt
 
 if TYPE_CHECKING:
@@ -33,36 +33,76 @@ class ReceiptBuffer:
     The broker's event loop only appends here; one multi-row statement per flush keeps the
     store off the path of message consumption. The broker still holds every message unacked
     until its task finishes, so a receipt lost with the process costs speed, not work.
+
+    Bounded by count (``max_items``) and by bytes (``max_bytes``: the stored messages, see
+    :meth:`size_of`), so a store outage under heavy traffic cannot grow the worker's memory
+    without limit: when full, the oldest receipts are dropped with a warning. The worker sets
+    ``max_bytes`` from ``resilient_receipt_buffer_bytes``.
     """
 
-    def __init__(self) -> None:
+    #: The default of ``resilient_receipt_buffer_bytes`` (64 MiB).
+    DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+
+    def __init__(self, max_items: int = MAX_PENDING,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._items: deque[Receipt] = deque()
+        self._bytes = 0
         self._lock = threading.Lock()
         self.arrived = threading.Event()
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+
+    @staticmethod
+    def size_of(receipt: Receipt) -> int:
+        """Bytes a receipt holds: its stored message (body, headers, routing), ASCII JSON."""
+        return len(receipt.message_json or "")
 
     def add(self, receipt: Receipt) -> None:
+        size = self.size_of(receipt)
         with self._lock:
-            if len(self._items) >= MAX_PENDING:
-                dropped = self._items.popleft()
-                log.warning("receipt buffer full; dropped receipt of %s", dropped.work_key,
-                            extra={"action": "receipt_dropped", "work_key": dropped.work_key})
-            self._items.append(receipt)
+            if size > self.max_bytes:
+                self._drop(receipt, "smaller than this one message")
+            else:
+                self._items.append(receipt)
+                self._bytes += size
+                self._trim()
         self.arrived.set()
 
     def take_all(self) -> list[Receipt]:
         with self._lock:
             items = list(self._items)
             self._items.clear()
+            self._bytes = 0
             self.arrived.clear()
         return items
 
     def put_back(self, items: list[Receipt]) -> None:
         with self._lock:
             self._items.extendleft(reversed(items))
+            self._bytes += sum(self.size_of(r) for r in items)
+            self._trim()
         self.arrived.set()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes buffered now (the sum of :meth:`size_of` over the receipts)."""
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def _trim(self) -> None:
+        """Drop the oldest receipts until both bounds hold (the lock is held)."""
+        while self._items and (len(self._items) > self.max_items
+                               or self._bytes > self.max_bytes):
+            dropped = self._items.popleft()
+            self._bytes -= self.size_of(dropped)
+            self._drop(dropped, "full")
+
+    @staticmethod
+    def _drop(receipt: Receipt, why: str) -> None:
+        log.warning("receipt buffer %s; dropped receipt of %s", why, receipt.work_key,
+                    extra={"action": "receipt_dropped", "work_key": receipt.work_key})
 
 
 class HeldRequests:
@@ -129,14 +169,20 @@ def record_submission(rt: Resilient, task: Any, args: Any, kwargs: Any, task_id:
 
     Raises :class:`StoreUnavailable` to the caller of ``apply_async`` when the store is down,
     before anything is published, so a submission is never silently without its record.
+    The message is kept in the call form: JSON, or arguments JSON cannot carry serialized
+    with the message's own serializer (``serializer=`` of the call, else the task's), so
+    pickle, msgpack and YAML tasks are submitted durably like JSON ones.
     """
     kept = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
     signature = task.signature(args, kwargs, {**kept, "task_id": task_id})
     message = messages.from_signature(signature)
     if message is None:
-        raise ResilientError(
-            f"durable submit of {task.name}: arguments and options must be JSON to be kept "
-            "in the store; send JSON arguments or disable resilient_durable_submit"
+        serializer = kept.get("serializer") or task.serializer
+        raise SerializationError(
+            f"durable submit of {task.name}: its arguments and options cannot be kept in the "
+            f"store: neither its serializer ({serializer!r}) nor any other the app accepts "
+            "can serialize them; send arguments that serializer can carry, or disable "
+            "resilient_durable_submit"
         )
     headers = options.get("headers") or {}
     key = workkey.derive(task, task_id, args, kwargs, headers)

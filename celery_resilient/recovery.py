@@ -1,19 +1,21 @@
 """The sweep that takes back orphaned work and re-publishes it with the same task id.
 
-Runs at worker start and every ``resilient_sweep_interval``. An orphan is a claim of one of
-this node's earlier incarnations (taken at once) or any open claim whose lease expired. It
-is re-published from the stored message whatever the broker; a copy the broker also
+Runs at worker start and every ``resilient_sweep_interval``. An orphan is an open claim whose
+owner is gone: its worker incarnation stopped or was proven dead (taken at once), its
+incarnation's lease expired, or it has no owner and its hold expired. It is re-published
+from the stored message whatever the broker; a copy the broker also
 redelivers later finds the work held or done and runs nothing.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from . import messages, signals
-from .errors import WorkDead
-from .states import REVOKED
+from .errors import ResilientError, WorkDead
+from .states import DEAD, REQUEUED, REVOKED
 from .store.sql import Ended, Orphan, Owner
 
 if TYPE_CHECKING:
@@ -23,34 +25,52 @@ log = logging.getLogger(__name__)
 REPUBLISHED_HEADER = "resilient_republished"
 
 
-def sweep(rt: Resilient, owner: Owner) -> list[Orphan]:
-    """One recovery round; returns the orphans it re-published."""
+#: Seconds a sweep waits for the broker before it leaves its orphans for the next round.
+BROKER_TIMEOUT = 2.0
+
+
+def sweep(rt: Resilient, owner: Owner, judge_leases: bool = True) -> list[Orphan]:
+    """One recovery round; returns the orphans it re-published.
+
+    The broker is checked first, with a timeout: while it is unreachable no orphan is
+    claimed (their re-publish counts and holds stay as they are), and one that fails to
+    send is handed back to the next round without counting as re-published.
+    """
     cfg = rt.config
-    ended: list[Ended] = []
-    orphans = rt.store.claim_orphans(owner, cfg.sweep_batch, cfg.submit_timeout,
-                                     cfg.max_republish, cfg.republish_backoff_max, ended)
-    for e in ended:
-        report_ended(rt, e)
-    if not orphans:
-        return []
-    sent: list[Orphan] = []
     with rt.app.connection_for_write() as conn:
-        for orphan in orphans:
+        try:
+            conn.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT)
+        except Exception as exc:
+            log.warning("broker unreachable (%s); orphans wait for the next sweep", exc,
+                        extra={"action": "republish_failed"})
+            return []
+        ended: list[Ended] = []
+        orphans = rt.store.claim_orphans(owner, cfg.sweep_batch, cfg.submit_timeout,
+                                         cfg.max_republish, cfg.republish_backoff_max, ended,
+                                         cfg.lease_seconds, judge_leases)
+        for e in ended:
+            report_ended(rt, e)
+        sent: list[Orphan] = []
+        unsent: list[str] = []
+        for i, orphan in enumerate(orphans):
             extra = {"action": "recovered", "work_key": orphan.work_key,
                      "task_id": orphan.task_id, "previous_state": orphan.previous_state,
                      "previous_owner": orphan.previous_owner}
-            if orphan.message_json is None:
-                log.error("orphan %s has no stored message; it cannot be re-published",
-                          orphan.work_key, extra={**extra, "action": "unrecoverable"})
+            why = messages.unpublishable(orphan.message_json, rt.app)
+            if why is not None:
+                unrecoverable(rt, orphan, why, extra)
                 continue
+            assert orphan.message_json is not None  # unpublishable() said why if it were
             try:
                 messages.publish(conn, orphan.message_json, {REPUBLISHED_HEADER: 1}, rt.app,
                                  retries=orphan.retries)
             except Exception as exc:
-                # The row keeps a lease of submit_timeout: a later sweep sends it again.
-                log.warning("re-publish of %s failed: %s", orphan.work_key, exc,
+                # The broker went away mid-batch: the rest waits for the next round.
+                unsent = [o.work_key for o in orphans[i:] if o.message_json is not None]
+                log.warning("re-publish of %s failed (%s); %d orphan(s) wait for the next "
+                            "sweep", orphan.work_key, exc, len(unsent),
                             extra={**extra, "action": "republish_failed"})
-                continue
+                break
             log.info("re-published orphaned work %s (was %s on %s)", orphan.work_key,
                      orphan.previous_state, orphan.previous_owner, extra=extra)
             signals.send(signals.work_recovered, rt.app, orphan.task_name,
@@ -58,7 +78,34 @@ def sweep(rt: Resilient, owner: Owner) -> list[Orphan]:
                          previous_state=orphan.previous_state,
                          previous_owner=orphan.previous_owner)
             sent.append(orphan)
+    if unsent:
+        rt.store.unsend(unsent, cfg.submit_timeout)
     return sent
+
+
+def unrecoverable(rt: Resilient, orphan: Orphan, why: str, extra: Mapping[str, object]) -> None:
+    """An orphan whose stored message cannot be sent (none was kept, or it cannot be
+    decoded here): it ends ``dead`` once, with the reason, instead of being swept for ever.
+
+    Not at the first sweep that finds it: its delivery was never acknowledged, so the broker
+    may still bring it back (RabbitMQ does at once when the dead worker's connection drops);
+    the sweep has just re-queued it with a hold, and that copy takes it. The sweep that finds
+    it still re-queued when the hold expired ends it.
+    """
+    if orphan.previous_state != REQUEUED:
+        log.warning("orphan %s cannot be re-published (%s); it ends dead unless the broker "
+                    "delivers it again before its hold expires", orphan.work_key, why,
+                    extra={**extra, "action": "unrecoverable"})
+        return
+    reason = f"its owner died and it cannot be re-published: {why}"
+    try:
+        ended = rt.store.end_request(orphan.task_id, DEAD, reason)
+    except ResilientError as exc:  # the store went away: the next sweep ends it
+        log.warning("could not end unrecoverable work %s: %s", orphan.work_key, exc,
+                    extra={**extra, "action": "unrecoverable"})
+        return
+    if ended:  # 0: a delivery of its own took it meanwhile
+        report_ended(rt, Ended(orphan.work_key, orphan.task_id, orphan.task_name, DEAD, reason))
 
 
 def report_ended(rt: Resilient, e: Ended) -> None:

@@ -13,8 +13,9 @@ receivers must accept ``**kwargs`` (more may be added). ``sender`` is the task n
 entry name for ``slot_caught_up``), so ``connect(sender="proj.ingest")`` filters by task. A
 receiver that raises is logged by Celery and never disturbs the library. Signals are sent in
 the process where the action happens: ``work_recovered`` in the worker's main process (or the
-``celery resilient recover`` command), ``duplicate_skipped``, ``work_fenced`` and
-``work_dead`` in the pool process that received the delivery, ``slot_caught_up`` in beat.
+``celery resilient recover`` command), ``duplicate_skipped``, ``work_fenced``,
+``work_dead`` and ``work_handed_off`` in the pool process that received the delivery,
+``slot_caught_up`` in beat.
 
 With ``resilient_metrics = True`` the Prometheus counters of :mod:`celery_resilient.metrics`
 are connected to these signals in each process, the first time one is sent.
@@ -64,7 +65,15 @@ work_dead = Signal(name="work_dead", providing_args={
 slot_caught_up = Signal(name="slot_caught_up", providing_args={
     "app", "entry", "slot", "task_id", "late_seconds"})
 
-ALL = (work_recovered, duplicate_skipped, work_fenced, work_dead, slot_caught_up)
+#: A running execution handed its work back at a warm shutdown (``resilient_shutdown =
+#: "hand_off"``), after its checkpoint committed. Sender: the task name. kwargs:
+#: ``work_key``, ``task_id``, ``task``, ``epoch`` (the execution's fencing token),
+#: ``republished`` (False: the message could not be sent now; the sweeper sends it later).
+work_handed_off = Signal(name="work_handed_off", providing_args={
+    "app", "work_key", "task_id", "task", "epoch", "republished"})
+
+ALL = (work_recovered, duplicate_skipped, work_fenced, work_dead, slot_caught_up,
+       work_handed_off)
 
 _checked: weakref.WeakSet[Celery] = weakref.WeakSet()
 _checked_lock = threading.Lock()
@@ -97,4 +106,4 @@ def _enable_metrics_if_configured(app: Celery) -> None:
 
 
 __all__ = ["ALL", "duplicate_skipped", "send", "slot_caught_up", "work_dead", "work_fenced",
-           "work_recovered"]
+           "work_handed_off", "work_recovered"]

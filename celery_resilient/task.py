@@ -19,7 +19,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from . import codec, identity, messages, receipts, signals, workkey
+from . import codec, handoff, identity, messages, receipts, signals, workkey
 from .checkpoint import Checkpoint
 from .config import ResilientConfig
 from .context import Context, task_context
@@ -198,7 +198,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         assert outcome.claim is not None
         claim = outcome.claim
         req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
-                                            claim.attempts)
+                                            claim.attempts, can_hand_off=not req.is_eager)
         req.resilient_checkpoint = None
         identity.enter(work_key)
         try:
@@ -256,6 +256,9 @@ class ResumableTask(Task):  # type: ignore[misc]
             else:
                 self._record_end(rt, epoch, ctx, reject, FAILED)
             raise
+        except handoff.HandOff:
+            self._hand_off(rt, epoch, ctx)
+            raise Ignore() from None
         except WorkStopped as exc:
             log.warning("stopped: %s", exc, extra={"action": "stopped", **ctx})
             self._report_revoked(str(exc))
@@ -284,6 +287,41 @@ class ResumableTask(Task):  # type: ignore[misc]
         except StoreUnavailable as exc:
             log.warning("could not hand %s back (%s); the re-sent copy takes it over",
                         ctx["work_key"], exc, extra={"action": "store_retry", **ctx})
+
+    def _hand_off(self, rt: Resilient, epoch: int, ctx: dict[str, Any]) -> None:
+        """Warm shutdown: the claim goes back with its checkpoint and the message is
+        re-published now, so another worker resumes the work at once.
+
+        If the store cannot take the claim back, the broker keeps the message (requeued)
+        and the claim is an orphan as soon as this incarnation is marked stopped. If the
+        re-publish fails, the sweeper sends the stored message when the hold expires.
+        """
+        work_key = ctx["work_key"]
+        retries = int(self.request.retries or 0)
+        try:
+            message = rt.store.get_message(work_key)
+            rt.store.release(work_key, epoch, rt.config.submit_timeout, retries)
+        except StaleClaimError:
+            return  # another execution took it over meanwhile: nothing to hand
+        except StoreUnavailable as exc:
+            log.warning("hand-off of %s failed (%s); the broker keeps its message", work_key,
+                        exc, extra={"action": "hand_off_failed", **ctx})
+            raise Reject(str(exc), requeue=True) from None
+        sent = False
+        if message is not None:
+            try:
+                with self.app.connection_for_write() as conn:
+                    messages.publish(conn, message, {REPUBLISHED_HEADER: 1}, self.app,
+                                     retries=retries)
+                sent = True
+            except Exception as exc:
+                log.warning("hand-off of %s: re-publish failed (%s); the sweeper sends it "
+                            "after %.0fs", work_key, exc, rt.config.submit_timeout,
+                            extra={"action": "hand_off_failed", **ctx})
+        log.info("handed off work %s at epoch %d (warm shutdown)%s", work_key, epoch,
+                 "" if sent else "; not re-published yet", extra={"action": "handed_off", **ctx})
+        signals.send(signals.work_handed_off, self.app, self.name, epoch=epoch,
+                     republished=sent, **ctx)
 
     def _record_end(self, rt: Resilient, epoch: int, ctx: dict[str, Any], exc: BaseException,
                     state: str) -> None:

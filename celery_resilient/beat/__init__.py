@@ -2,10 +2,28 @@
 
 ``app.conf.beat_scheduler = "celery_resilient.beat:ResilientScheduler"``. Missed-slot maths
 lives in :mod:`.windows`, catch-up policies in :mod:`.policy`, slot SQL in
-:mod:`celery_resilient.store.schedule`.
+:mod:`celery_resilient.store.schedule`, the worker's one-start-per-slot check for plain tasks
+in :mod:`.once`.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from celery_resilient.beat.policy import CatchupPolicy
-from celery_resilient.beat.scheduler import ResilientScheduler
+
+if TYPE_CHECKING:
+    from celery_resilient.beat.scheduler import ResilientScheduler
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the scheduler needs RedBeat (the optional ``redis`` extra); workers import
+    # ``celery_resilient.beat.once`` without it.
+    if name == "ResilientScheduler":
+        from celery_resilient.beat.scheduler import ResilientScheduler
+
+        return ResilientScheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["CatchupPolicy", "ResilientScheduler"]

@@ -13,7 +13,9 @@ Recovery, each logged with ``extra={"action": ...}``:
 - ``entry_rehydrated`` / ``entry_removed``: an entry lost from Redis is re-created from the
   store; a dynamic entry deleted through RedBeat is forgotten.
 - ``slot_caught_up`` / ``slot_skipped`` / ``slots_dropped``: a missed slot sent or skipped.
-- ``slot_resent``: a slot claimed but never published (crash) is sent with its task id.
+- ``slot_resent``: a slot claimed but not recorded sent (a crash before or after the publish)
+  is sent again with its task id; a copy that arrives twice runs once (a ``ResumableTask`` by its
+  work key, a plain task by the slot's ``started`` record: :mod:`celery_resilient.beat.once`).
 - ``duplicate_refused``: a slot another beat already claimed or sent is not sent again.
 - ``store_unavailable``: the store is down; beat backs off and retries, sending nothing.
 """
@@ -39,6 +41,7 @@ from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, get_redi
 from celery_resilient import liveness, signals, workkey
 from celery_resilient.app import Resilient
 from celery_resilient.beat import windows
+from celery_resilient.beat.once import ENTRY_HEADER
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
 from celery_resilient.config import sanitize_url
@@ -51,6 +54,11 @@ log = logging.getLogger(__name__)
 #: Test-only kill point: a file path; after the first slot claim commits, the beat creates
 #: the file and SIGKILLs itself (once: an existing file disarms it).
 KILL_AFTER_CLAIM_ENV = "RESILIENT_BEAT_KILL_AFTER_CLAIM"
+#: Test-only kill point: a file path; after the ``KILL_AFTER_PUBLISH_NTH_ENV``-th (default 1st)
+#: slot published by this process, before it is recorded sent, the beat creates the file and
+#: SIGKILLs itself (once: an existing file disarms it).
+KILL_AFTER_PUBLISH_ENV = "RESILIENT_BEAT_KILL_AFTER_PUBLISH"
+KILL_AFTER_PUBLISH_NTH_ENV = "RESILIENT_BEAT_KILL_AFTER_PUBLISH_NTH"
 
 DEFAULT_LOCK_TIMEOUT = 30.0  # when redbeat_lock_timeout is not set (RedBeat: 1500 s)
 LOCK_POLL_SECONDS = 1.0
@@ -362,6 +370,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             for slot in slots:
                 stamp = _iso(slot, tz)
                 send(slot, task_id_for(key, slot), stamp)
+                _kill_point_after_publish()
                 done.append(to_seconds(slot))
                 if slot < self.started_at or now - slot > grace:
                     log.info("beat: %s slot %s caught up (%.1fs late)", name, stamp,
@@ -395,7 +404,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
 
         def send(slot: int, task_id: str, scheduled_for: str) -> None:
             headers = {**base_headers, SCHEDULED_FOR_HEADER: scheduled_for,
-                       workkey.HEADER: work_key_for(key, slot)}
+                       ENTRY_HEADER: key, workkey.HEADER: work_key_for(key, slot)}
             args = _evaluate_entry_args(entry.args)
             kwargs = _evaluate_entry_kwargs(entry.kwargs)
             if task is not None:
@@ -597,13 +606,14 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             tz = _tz(entry.schedule)
             try:
                 self._sender(entry, self.producer)(slot, row.task_id, _iso(slot, tz))
+                _kill_point_after_publish()
             except Exception as exc:
                 log.error("beat: re-sending %s slot %s failed: %s", entry.name,
                           _iso(slot, tz), exc, extra={"action": "publish_failed",
                                                       "entry": entry.name})
                 return
             self.slots.mark_sent(row.entry, [row.slot], self.identity)
-            log.warning("beat: %s slot %s was claimed by %s but never sent; re-sent as %s",
+            log.warning("beat: %s slot %s was claimed by %s but not recorded sent; re-sent as %s",
                         entry.name, _iso(slot, tz), row.owner, row.task_id,
                         extra={"action": "slot_resent", "entry": entry.name,
                                "slot": _iso(slot, tz), "task_id": row.task_id})
@@ -626,12 +636,25 @@ def _iso(slot: int, tz: tzinfo | None) -> str:
     return from_us(slot, tz).isoformat()
 
 
-def _kill_point() -> None:
-    path = os.environ.get(KILL_AFTER_CLAIM_ENV)
+def _kill_point(path: str | None = None) -> None:
+    path = path or os.environ.get(KILL_AFTER_CLAIM_ENV)
     if path and not os.path.exists(path):
         with open(path, "w") as fh:
             fh.write(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_published = 0
+
+
+def _kill_point_after_publish() -> None:
+    global _published
+    path = os.environ.get(KILL_AFTER_PUBLISH_ENV)
+    if not path:
+        return
+    _published += 1
+    if _published == int(os.environ.get(KILL_AFTER_PUBLISH_NTH_ENV) or 1):
+        _kill_point(path)
 
 
 def _loads(text: str | None) -> dict[str, Any]:
@@ -664,4 +687,5 @@ def _hashes(client: Any, keys: Iterable[str]) -> dict[str, tuple[str | None, str
     return {k: (v[0], v[1]) for k, v in zip(keys, values, strict=True)}
 
 
-__all__ = ["KILL_AFTER_CLAIM_ENV", "ResilientScheduler", "task_id_for", "work_key_for"]
+__all__ = ["KILL_AFTER_CLAIM_ENV", "KILL_AFTER_PUBLISH_ENV", "KILL_AFTER_PUBLISH_NTH_ENV",
+           "ResilientScheduler", "task_id_for", "work_key_for"]

@@ -6,21 +6,26 @@ entry's marker past it; the message is published after that commits, then the ro
 beats never both send it; a ``claimed`` row left by a dead beat is taken over (compare-and-set
 on its owner) and sent again with the same task id.
 
+A worker about to run a plain (non-resumable) task for a slot moves its row to ``started``
+(from ``claimed`` or ``sent``: the message exists, so it was published) and records itself as
+the owner; a second copy of the slot's message finds the row ``started`` and runs nothing
+(:mod:`celery_resilient.beat.once`). A ``started`` row is never re-sent by a beat.
+
 Slots are float seconds since the epoch (see :mod:`celery_resilient.beat.windows`): integer
 microseconds divided by 10**6, which round-trip exactly through both dialects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, delete, select, tuple_, update
+from sqlalchemy import Connection, and_, case, delete, or_, select, tuple_, update
 
 from celery_resilient.store.sql import Store, guarded
 
-CLAIMED, SENT, SKIPPED = "claimed", "sent", "skipped"
+CLAIMED, SENT, SKIPPED, STARTED = "claimed", "sent", "skipped", "started"
 CHUNK = 400  # rows per multi-row statement: far below every dialect's parameter limit
 
 
@@ -49,6 +54,22 @@ class ClaimResult:
     claimed: tuple[float, ...]
     existing: tuple[Run, ...]
     marker: float
+
+
+@dataclass(frozen=True)
+class Start:
+    """What :meth:`ScheduleStore.start` decided for one delivery of a slot.
+
+    ``started``: run the body (this delivery now owns the slot's start). Otherwise ``previous``
+    is the row that refused it (``started`` by someone else, or ``skipped``). ``taken_over``:
+    started in place of a previous start (``previous`` names it). ``recorded``: the slot had
+    no row (pruned, or sent by something else than the scheduler); one was inserted.
+    """
+
+    started: bool
+    previous: Run | None = None
+    taken_over: bool = False
+    recorded: bool = False
 
 
 def _chunks(items: Sequence[Any], size: int = CHUNK) -> Iterable[Sequence[Any]]:
@@ -178,16 +199,58 @@ class ScheduleStore:
 
     @guarded
     def mark_sent(self, entry: str, slots: Sequence[float], owner: str) -> int:
-        """Record slots as sent (only rows this owner still holds)."""
+        """Record slots as sent (only rows this owner still holds).
+
+        A slot a worker already ``started`` (it can start before the send is recorded) keeps
+        its state and gets its send time; it counts as sent.
+        """
         r = self.runs
         n = 0
         with self.store.begin() as conn:
             now = self.store.dialect.now()
             for chunk in _chunks(slots):
                 n += conn.execute(update(r).where(
-                    r.c.entry == entry, r.c.slot.in_(chunk), r.c.state == CLAIMED,
-                    r.c.owner == owner).values(state=SENT, sent_at=now)).rowcount
+                    r.c.entry == entry, r.c.slot.in_(chunk),
+                    or_(and_(r.c.state == CLAIMED, r.c.owner == owner),
+                        and_(r.c.state == STARTED, r.c.sent_at.is_(None))),
+                ).values(state=case((r.c.state == CLAIMED, SENT), else_=r.c.state),
+                         sent_at=now)).rowcount
         return n
+
+    @guarded
+    def start(self, entry: str, slot: float, task_id: str, starter: str, *,
+              take_over: Callable[[Run], bool] | None = None) -> Start:
+        """Record that ``starter`` starts the slot's task; at most one start per slot.
+
+        One transaction: a ``claimed`` or ``sent`` row becomes ``started`` with ``starter`` as
+        its owner. A slot without a row gets one, ``started``. A row already ``started`` is
+        refused, unless ``take_over(row)`` says its start is to be replaced (compare-and-set on
+        its owner, so of two deliveries that both may take over, one does). A ``skipped``
+        row is refused.
+        """
+        r = self.runs
+        d = self.store.dialect
+        this = and_(r.c.entry == entry, r.c.slot == slot)
+        with self.store.begin() as conn:
+            if conn.execute(update(r).where(this, r.c.state.in_((CLAIMED, SENT)))
+                            .values(state=STARTED, owner=starter)).rowcount == 1:
+                return Start(True)
+            inserted = conn.execute(d.insert(r).values(
+                entry=entry, slot=slot, state=STARTED, task_id=task_id, owner=starter,
+                claimed_at=d.now()).on_conflict_do_nothing(index_elements=[r.c.entry, r.c.slot])
+                .returning(r.c.entry)).first()  # RETURNING: psycopg reports rowcount -1 here
+            if inserted is not None:
+                return Start(True, recorded=True)
+            row = conn.execute(select(r).where(this)).first()
+            if row is None:  # deleted meanwhile (pruned): nothing to hold, nothing to refuse
+                return Start(False)
+            previous = _run(row)
+            if previous.state != STARTED or take_over is None or not take_over(previous):
+                return Start(False, previous)
+            owner = r.c.owner.is_(None) if previous.owner is None else r.c.owner == previous.owner
+            won = conn.execute(update(r).where(this, r.c.state == STARTED, owner)
+                               .values(owner=starter)).rowcount == 1
+            return Start(won, previous, taken_over=won)
 
     @guarded
     def take_over(self, entry: str, slot: float, previous_owner: str | None,
@@ -236,12 +299,13 @@ class ScheduleStore:
 
     @guarded
     def prune(self, older_than: float) -> int:
-        """Delete sent and skipped slot rows claimed more than ``older_than`` seconds ago."""
+        """Delete sent, started and skipped slot rows claimed more than ``older_than`` seconds
+        ago."""
         r = self.runs
         with self.store.begin() as conn:
             cutoff = self.store.dialect.now() - older_than
             return int(conn.execute(delete(r).where(
-                r.c.state.in_((SENT, SKIPPED)), r.c.claimed_at < cutoff)).rowcount)
+                r.c.state.in_((SENT, STARTED, SKIPPED)), r.c.claimed_at < cutoff)).rowcount)
 
 
 def _run(row: Any) -> Run:

@@ -133,6 +133,14 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("started_at", Float, nullable=False),
         Column("heartbeat_at", Float, nullable=False),
         Column("stopped_at", Float, nullable=True),
+        # The incarnation's lease: its claims are live while this is in the future. The
+        # heartbeat renews this one row, whatever the number of claims.
+        Column("lease_expires_at", Float, nullable=True),
+        # celery_resilient.liveness identity (host, boot, PID namespace, PID, start time):
+        # a successor can prove this incarnation dead only from the same host and namespace.
+        Column("process", String(KEY), nullable=True),
+        # Set when a warm shutdown began: its claims are being handed off or drained.
+        Column("draining_at", Float, nullable=True),
         Index(f"ix_{p}workers_node", "node"),
     )
     # Task ids revoked by Celery (``app.control.revoke``), copied from the workers' in-memory

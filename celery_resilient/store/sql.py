@@ -53,7 +53,7 @@ from ..states import (
     RUNNING,
     STOPPED_STATES,
 )
-from . import migrate
+from . import migrate, transient
 from .dialect import Dialect
 from .engine import EngineHolder, for_writing
 from .schema import build_tables
@@ -65,30 +65,48 @@ T = TypeVar("T")
 
 
 def guarded(fn: Callable[P, T]) -> Callable[P, T]:
-    """Turn a lost or refused database connection into :class:`StoreUnavailable`.
+    """Run one store operation; a transient database error becomes :class:`StoreUnavailable`.
 
-    A pooled connection found dead (the server restarted since it was used) is retried once
-    on a fresh one: nothing of that transaction was committed, so running it again is safe.
-    This replaces a pre-ping round trip on every checkout. A failure *at commit* has an
-    unknown outcome and is never retried here (``Store.begin`` raises it as unavailable).
+    Invariant of every method it wraps: each transaction it runs begins and ends inside the
+    call, and nothing outside the database changes before that transaction commits. Only
+    that makes a re-run safe. So a transaction the server rolled back and said so
+    (serialization failure, deadlock, lock timeout, SQLITE_BUSY: see :mod:`.transient`) is
+    run again, up to ``transient.RETRIES`` times after a short jittered pause; and a pooled
+    connection found dead (the server restarted since it was used) is retried once on a fresh
+    one, which replaces a pre-ping round trip on every checkout. A call that already committed
+    a transaction (a batched operator action) is never re-run, and a failure *at commit* has
+    an unknown outcome: ``Store.begin`` raises it as unavailable, never retried. What still
+    fails transiently is :class:`StoreUnavailable` naming the operation and the SQLSTATE; any
+    other error (an integrity violation, a bug) propagates unchanged.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            try:
-                return fn(*args, **kwargs)
-            except DBAPIError as exc:
-                if not exc.connection_invalidated:
-                    raise
-                log.info("store connection was stale during %s; retrying once", fn.__name__)
-                return fn(*args, **kwargs)
-        except OperationalError as exc:
-            raise StoreUnavailable(f"store unreachable during {fn.__name__}: {exc.orig}") from exc
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise StoreUnavailable(f"store connection lost during {fn.__name__}") from exc
-            raise
+        with transient.operation(fn.__qualname__):
+            op = transient.current_operation(fn.__qualname__)
+            committed, reruns, reconnected = transient.commits(), 0, False
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except DBAPIError as exc:
+                    if transient.commits() == committed:
+                        if transient.is_retryable(exc) and reruns < transient.RETRIES:
+                            reruns += 1
+                            log.info("%s during %s; running it again (%d/%d)",
+                                     transient.describe(exc), op, reruns, transient.RETRIES,
+                                     extra={"action": "store_rerun"})
+                            transient.pause(reruns)
+                            continue
+                        if exc.connection_invalidated and not reconnected:
+                            reconnected = True
+                            log.info("store connection was stale during %s; retrying once", op)
+                            continue
+                    if not isinstance(exc, OperationalError) and not transient.is_transient(exc):
+                        raise
+                    what = ("connection lost" if exc.connection_invalidated else
+                            "unavailable" if transient.is_transient(exc) else "unreachable")
+                    raise StoreUnavailable(f"store {what} during {op} "
+                                           f"({transient.describe(exc)}): {exc.orig}") from exc
 
     return wrapper
 
@@ -159,6 +177,19 @@ class Ended:
     task_name: str
     state: str
     reason: str
+
+
+@dataclass(frozen=True)
+class IncarnationRow:
+    """Another start of a worker node, as its lease row says (times on the store's clock)."""
+
+    incarnation: str
+    node: str
+    pid: int
+    process: str | None
+    heartbeat_at: float
+    lease_expires_at: float | None
+    db_now: float
 
 
 @dataclass(frozen=True)
@@ -334,7 +365,13 @@ class Store:
 
     @contextmanager
     def begin(self) -> Iterator[Connection]:
-        """One transaction; also used for the user's own writes (``Ledger.atomic``)."""
+        """One transaction; also used for the user's own writes (``Ledger.atomic``).
+
+        A failure at COMMIT has an unknown outcome (the commit may have landed before the
+        reply was lost): a transient or connection error there is :class:`StoreUnavailable`,
+        never re-run. Each commit is counted, so ``guarded`` never re-runs a call that
+        already committed a transaction.
+        """
         conn = self._connect()
         with conn:
             try:
@@ -344,8 +381,14 @@ class Store:
                 raise
             try:
                 conn.commit()
-            except OperationalError as exc:
-                raise StoreUnavailable(f"store unreachable during commit: {exc.orig}") from exc
+            except DBAPIError as exc:
+                if isinstance(exc, OperationalError) or transient.is_transient(exc):
+                    raise StoreUnavailable(
+                        f"store unavailable at commit of "
+                        f"{transient.current_operation('a transaction')}, outcome unknown "
+                        f"({transient.describe(exc)}): {exc.orig}") from exc
+                raise
+            transient.note_commit()
 
     @guarded
     def ensure_schema(self, migrate_if_needed: bool) -> None:
@@ -500,10 +543,15 @@ class Store:
         if fast is not None:  # it changed since the first attempt outside this transaction
             return fast
         revoked = conn.execute(select(rv.c.task_id).where(rv.c.task_id == task_id)).first()
+        wk = self.t.workers
+        owner_row = select(wk.c.incarnation).where(wk.c.incarnation == w.c.incarnation)
         row = conn.execute(
-            select(w, self.dialect.now().label("db_now"))
+            select(w, self.dialect.now().label("db_now"),
+                   exists(owner_row).label("owner_known"),
+                   exists(owner_row.where(self._incarnation_live(lease_seconds)))
+                   .label("owner_live"))
             .where(w.c.work_key == work_key)
-            .with_for_update()
+            .with_for_update(of=w)
         ).first()
         if row is None:
             # Taken before the worker's receipt was flushed: keep a message that can be
@@ -602,11 +650,26 @@ class Store:
         row: Row[Any], owner: Owner,
         is_live: Callable[[str | None, str | None, int | None], bool],
     ) -> bool:
+        """Whether the execution recorded in ``row`` may still be running.
+
+        Judged by liveness, never by name: this incarnation asks its own process table; a
+        lapsed claim (no owner) runs nowhere; another incarnation is live while its lease
+        row is (even under the same node name); an owner without a lease row (``apply()``
+        outside a worker) is live while the claim's own lease lasts.
+        """
+        if row.incarnation is None:
+            return False
         if row.incarnation == owner.incarnation:
             return is_live(row.owner_node, row.incarnation, row.owner_pid)
-        if row.owner_node == owner.node:
-            return False  # an earlier start of this very node: it is gone
+        if row.owner_known:
+            return bool(row.owner_live)
         return bool(row.lease_expires_at is not None and row.lease_expires_at > row.db_now)
+
+    def _incarnation_live(self, lease_seconds: float) -> ColumnElement[bool]:
+        """A ``workers`` row that holds a lease now: not stopped, not expired."""
+        wk = self.t.workers
+        lease_end = func.coalesce(wk.c.lease_expires_at, wk.c.heartbeat_at + lease_seconds)
+        return and_(wk.c.stopped_at.is_(None), lease_end > self.dialect.now())
 
     @guarded
     def finish(self, work_key: str, epoch: int, result_json: str | None) -> None:
@@ -700,59 +763,153 @@ class Store:
         return row is not None and (row.state, int(row.epoch), row.result_json) == (
             DONE, epoch, result_json)
 
+    # -- incarnations: one lease row per worker start ------------------------------------
+
     @guarded
-    def heartbeat(self, owner: Owner, lease_seconds: float,
-                  pid_alive: Callable[[int | None], bool] | None = None,
-                  held: frozenset[str] | None = None) -> int:
-        """Renew every lease this incarnation holds, in one statement; return how many.
+    def register(self, owner: Owner, process: str, lease_seconds: float) -> None:
+        """Record this worker incarnation with its first lease (worker start)."""
+        wk = self.t.workers
+        now = self.dialect.now()
+        ins = self.dialect.insert(wk).values(
+            incarnation=owner.incarnation, node=owner.node, pid=owner.pid, process=process,
+            started_at=now, heartbeat_at=now, lease_expires_at=now + lease_seconds)
+        with self.begin() as conn:
+            conn.execute(ins.on_conflict_do_update(
+                index_elements=[wk.c.incarnation],
+                set_={"heartbeat_at": now, "lease_expires_at": now + lease_seconds,
+                      "process": process}))
 
-        With ``pid_alive``, a running claim whose pool process is gone (a SIGKILLed prefork
-        child) is not renewed: its lease ends now and the sweeper re-publishes it. Renewing it
-        would keep a dead execution's claim alive as long as the main process lives, and the
-        copy Celery requeues for it would be skipped as "held" by any other worker.
+    @guarded
+    def heartbeat(self, owner: Owner, lease_seconds: float) -> bool:
+        """Renew this incarnation's lease: one row, whatever the number of claims.
 
-        With ``held`` (the task ids whose messages the worker still holds), a reserved claim
-        whose message it acked or rejected without the work ending (a store-outage re-send
-        that vanished, say) is not renewed either: the sweeper re-publishes it at its lease.
+        The row never waits on a claim row a user's transaction holds (``ledger.atomic``).
+        Returns False when another incarnation declared this one dead (its claims are
+        being taken over; the caller logs it loudly).
         """
-        w, wk = self.t.work, self.t.workers
+        wk = self.t.workers
+        now = self.dialect.now()
+        with self.single() as conn:
+            stopped = conn.execute(
+                update(wk).where(wk.c.incarnation == owner.incarnation)
+                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds)
+                .returning(wk.c.stopped_at)).first()
+            if stopped is None:  # the row was pruned: record it again
+                conn.execute(self.dialect.insert(wk).values(
+                    incarnation=owner.incarnation, node=owner.node, pid=owner.pid,
+                    started_at=now, heartbeat_at=now, lease_expires_at=now + lease_seconds,
+                ).on_conflict_do_nothing(index_elements=[wk.c.incarnation]))
+                return True
+        return stopped.stopped_at is None
+
+    @guarded
+    def other_incarnations(self, owner: Owner) -> list[IncarnationRow]:
+        """Incarnations of ``owner``'s node name that have not stopped (worker start)."""
+        wk = self.t.workers
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(wk, self.dialect.now().label("db_now"))
+                .where(wk.c.node == owner.node, wk.c.incarnation != owner.incarnation,
+                       wk.c.stopped_at.is_(None))).all()
+            conn.rollback()
+        return [IncarnationRow(r.incarnation, r.node, int(r.pid), r.process,
+                               float(r.heartbeat_at),
+                               None if r.lease_expires_at is None else float(r.lease_expires_at),
+                               float(r.db_now)) for r in rows]
+
+    @guarded
+    def declare_dead(self, incarnation: str) -> bool:
+        """Mark an incarnation proven dead: sweepers take its claims back at once."""
+        wk = self.t.workers
         now = self.dialect.now()
         with self.begin() as conn:
-            reserved = w.c.state == RESERVED
-            if held is not None:
-                reserved = and_(reserved, w.c.task_id.in_(sorted(held)))
-            mine = and_(w.c.incarnation == owner.incarnation,
-                        or_(w.c.state == RUNNING, reserved))
-            dead: list[int] = []
-            if pid_alive is not None:
-                pids = conn.execute(select(w.c.owner_pid).distinct().where(
-                    w.c.incarnation == owner.incarnation, w.c.state == RUNNING)).scalars()
-                dead = [p for p in pids if p is not None and p != owner.pid and not pid_alive(p)]
-            if dead:
-                lapsed = conn.execute(
-                    update(w).where(w.c.incarnation == owner.incarnation, w.c.state == RUNNING,
-                                    w.c.owner_pid.in_(dead))
-                    .values(lease_expires_at=now)).rowcount
-                log.warning("%d claim(s) of dead pool process(es) %s: lease ended", lapsed, dead,
-                            extra={"action": "lease_lapsed", "pids": dead})
-                mine = and_(mine, or_(w.c.owner_pid.is_(None), w.c.owner_pid.not_in(dead)))
-            renewed = conn.execute(
-                update(w).where(mine).values(lease_expires_at=now + lease_seconds)
-            ).rowcount
-            ins = self.dialect.insert(wk).values(
-                incarnation=owner.incarnation, node=owner.node, pid=owner.pid,
-                started_at=now, heartbeat_at=now,
-            )
-            conn.execute(ins.on_conflict_do_update(
-                index_elements=[wk.c.incarnation], set_={"heartbeat_at": now}))
-        return int(renewed)
+            return bool(conn.execute(
+                update(wk).where(wk.c.incarnation == incarnation, wk.c.stopped_at.is_(None))
+                .values(stopped_at=now, lease_expires_at=now)).rowcount)
+
+    @guarded
+    def mark_draining(self, owner: Owner) -> None:
+        """A warm shutdown began: shown by ``status``; the lease is still renewed."""
+        wk = self.t.workers
+        with self.begin() as conn:
+            conn.execute(update(wk).where(wk.c.incarnation == owner.incarnation,
+                                          wk.c.draining_at.is_(None))
+                         .values(draining_at=self.dialect.now()))
+
+    @guarded
+    def up_for(self) -> float | None:
+        """Seconds since the database server started (PostgreSQL), else None.
+
+        A server restarted less than a lease ago was down: nobody could renew a lease then.
+        """
+        if self.dialect.is_sqlite:
+            return None
+        with self.engine.connect() as conn:
+            value = conn.exec_driver_sql(
+                "SELECT EXTRACT(EPOCH FROM now() - pg_postmaster_start_time())").scalar_one()
+            conn.rollback()
+        return float(value)
+
+    @guarded
+    def reconcile(self, owner: Owner, pid_alive: Callable[[int | None], bool] | None = None,
+                  held: frozenset[str] | None = None, executing: frozenset[str] | None = None,
+                  grace_seconds: float = 5.0) -> int:
+        """Release this incarnation's claims that run nowhere; return how many.
+
+        The incarnation's lease keeps every claim it names alive, so a claim whose execution
+        is gone must be let go explicitly, or it would stay open as long as the worker lives:
+
+        - a running claim whose pool process died (``pid_alive``), e.g. a SIGKILLed child;
+        - a running claim whose task id is not ``executing`` in this worker's pool (its take
+          committed but the body never started or ended without recording it: a lost reply,
+          a failed re-send), untouched for ``grace_seconds`` (a take lands a moment before
+          the main process hears its pool process accepted the task);
+        - a reserved claim whose message the worker no longer ``held`` (acked or rejected
+          without the work ending).
+
+        A released claim has no owner and an expired lease: the next sweep re-publishes it,
+        and a copy that arrives meanwhile takes it at once.
+        """
+        w = self.t.work
+        now = self.dialect.now()
+        with self.begin() as conn:
+            rows = conn.execute(
+                select(w.c.work_key, w.c.task_id, w.c.state, w.c.epoch, w.c.owner_pid,
+                       (w.c.updated_at < now - grace_seconds).label("quiet"))
+                .where(w.c.incarnation == owner.incarnation,
+                       w.c.state.in_((RUNNING, RESERVED)))).all()
+            dead_pids: dict[int, bool] = {}
+            lapse: list[tuple[str, int, str]] = []
+            for r in rows:
+                if r.state == RESERVED:
+                    if held is not None and r.task_id not in held:
+                        lapse.append((r.work_key, int(r.epoch), "its message is no longer held"))
+                    continue
+                pid = r.owner_pid
+                if pid_alive is not None and pid is not None and pid != owner.pid:
+                    if pid not in dead_pids:
+                        dead_pids[pid] = not pid_alive(pid)
+                    if dead_pids[pid]:
+                        lapse.append((r.work_key, int(r.epoch), f"pool process {pid} is gone"))
+                        continue
+                if executing is not None and r.task_id not in executing and r.quiet:
+                    lapse.append((r.work_key, int(r.epoch), "not executing in this worker"))
+            for key, epoch, why in lapse:
+                conn.execute(update(w).where(w.c.work_key == key, w.c.epoch == epoch,
+                                             w.c.incarnation == owner.incarnation,
+                                             w.c.state.in_((RUNNING, RESERVED)))
+                             .values(incarnation=None, owner_pid=None, lease_expires_at=now))
+                log.warning("claim on %s released: %s", key, why,
+                            extra={"action": "lease_lapsed", "work_key": key, "reason": why})
+        return len(lapse)
 
     @guarded
     def mark_stopped(self, owner: Owner, hold_seconds: float) -> None:
-        """A clean stop: prefetched claims go back to ``requeued``.
+        """A clean stop: prefetched claims go back to ``requeued``; the incarnation is over.
 
-        The broker redelivers them itself on a clean stop; if it does not within
-        ``hold_seconds``, the sweeper re-publishes them.
+        The broker redelivers prefetched messages itself on a clean stop; if it does not
+        within ``hold_seconds``, the sweeper re-publishes them. Claims still running (a cold
+        shutdown) are orphans at once: their owner is stopped.
         """
         w, wk = self.t.work, self.t.workers
         now = self.dialect.now()
@@ -762,19 +919,25 @@ class Store:
                          .values(state=REQUEUED, owner_node=None, incarnation=None,
                                  lease_expires_at=now + hold_seconds, updated_at=now))
             conn.execute(update(wk).where(wk.c.incarnation == owner.incarnation)
-                         .values(stopped_at=now))
+                         .values(stopped_at=now, lease_expires_at=now))
 
     @guarded
     def claim_orphans(self, owner: Owner, limit: int, hold_seconds: float,
                       max_republish: int | None = None,
                       max_hold_seconds: float | None = None,
-                      ended: list[Ended] | None = None) -> list[Orphan]:
+                      ended: list[Ended] | None = None,
+                      lease_seconds: float = 30.0, judge_leases: bool = True) -> list[Orphan]:
         """Take back work whose owner is gone, and mark it re-published.
 
-        Orphans are claims of this node's earlier incarnations (at once) and any open claim
-        whose lease expired. Rows locked by another sweeper are skipped (PostgreSQL), so two
-        sweepers never re-publish the same orphan in one round. The caller publishes after this
-        commits; if it crashes first, the new lease expires and a later sweep sends it again.
+        An orphan is an open claim whose owner is known to be gone: its incarnation stopped
+        or was proven dead (taken at once), its incarnation's lease expired, or it has no
+        owner (handed back, released, re-published) and its hold expired. An owner without
+        a lease row (``apply()`` outside a worker) is judged by the claim's own lease.
+        With ``judge_leases`` False (the store was just unreachable, so nobody could renew
+        a lease) only stopped owners and ownerless claims are taken. Rows locked by another
+        sweeper are skipped (PostgreSQL), so two sweepers never re-publish the same orphan in
+        one round. The caller publishes after this commits; if it crashes first, the new
+        hold expires and a later sweep sends it again.
 
         Re-publishing is bounded: the n-th re-publish since the work last started waits
         ``hold_seconds * 2**n`` (at most ``max_hold_seconds``) for a worker to take it, and
@@ -782,19 +945,27 @@ class Store:
         was revoked ends ``revoked`` instead of being sent. Work ended here is appended to
         ``ended`` (its caller still waits on a result the dead owner never wrote).
         """
-        w, rv = self.t.work, self.t.revocations
+        w, rv, wk = self.t.work, self.t.revocations, self.t.workers
         now = self.dialect.now()
-        earlier_self = and_(w.c.owner_node == owner.node, w.c.incarnation != owner.incarnation)
+        owner_row = select(wk.c.incarnation).where(wk.c.incarnation == w.c.incarnation)
+        stopped = exists(owner_row.where(wk.c.stopped_at.is_not(None)))
+        own_deadline = and_(~exists(owner_row), w.c.lease_expires_at < now)
+        if judge_leases:
+            expired = exists(owner_row.where(
+                wk.c.stopped_at.is_(None),
+                func.coalesce(wk.c.lease_expires_at, wk.c.heartbeat_at + lease_seconds) < now))
+            gone: ColumnElement[bool] = or_(stopped, expired, own_deadline)
+        else:
+            gone = or_(stopped, and_(own_deadline, w.c.incarnation.is_(None)))
         revoked = exists().where(rv.c.task_id == w.c.task_id).label("revoked")
         with self.begin() as conn:
             rows = conn.execute(
                 select(w.c.work_key, w.c.task_id, w.c.task_name, w.c.message_json, w.c.state,
                        w.c.owner_node, w.c.deaths, w.c.republished, w.c.retries, revoked)
-                .where(w.c.state.in_(OPEN_STATES),
-                       or_(w.c.lease_expires_at < now, earlier_self))
+                .where(w.c.state.in_(OPEN_STATES), gone)
                 .order_by(w.c.created_at)
                 .limit(limit)
-                .with_for_update(**self.dialect.lock_kwargs())
+                .with_for_update(of=w, **self.dialect.lock_kwargs())
             ).all()
             orphans: list[Orphan] = []
             for r in rows:
@@ -826,6 +997,20 @@ class Store:
                 orphans.append(Orphan(r.work_key, r.task_id, r.task_name, r.message_json,
                                       r.state, r.owner_node, int(r.retries)))
         return orphans
+
+    @guarded
+    def unsend(self, work_keys: Sequence[str], hold_seconds: float) -> None:
+        """Orphans claimed for re-publishing that could not be sent (broker down): they do
+        not count as re-published, and wait ``hold_seconds`` for the next sweep."""
+        if not work_keys:
+            return
+        w = self.t.work
+        now = self.dialect.now()
+        with self.begin() as conn:
+            conn.execute(update(w).where(w.c.work_key.in_(list(work_keys)),
+                                         w.c.state == REQUEUED, w.c.republished > 0)
+                         .values(republished=w.c.republished - 1,
+                                 lease_expires_at=now + hold_seconds))
 
     # -- reads for operators and tests ----------------------------------------------------
 

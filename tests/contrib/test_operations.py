@@ -158,6 +158,8 @@ def test_republished_dead_work_runs_once_on_a_real_worker(
                          doomed, 60)
     store.take("greet-dead", "flaskproj.greet", "greet-dead", None, doomed, 60, 5,
                is_live=lambda *_: True)
+    store.register(doomed, "", 60)
+    store.declare_dead(doomed.incarnation)  # the next start proved it dead
     store.claim_orphans(Owner("gone@host", "inc-2", 2), 10, 60)
     parked = store.take("greet-dead", "flaskproj.greet", "greet-dead", None,
                         Owner("gone@host", "inc-2", 2), 60, 1, is_live=lambda *_: False)

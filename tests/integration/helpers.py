@@ -12,7 +12,8 @@ from celery_resilient.config import ResilientConfig
 from celery_resilient.execution import Execution
 from celery_resilient.store.sql import Claim, Owner, Store, TakeOutcome
 
-__all__ = ["Owner", "execution", "expire", "owner", "run", "take"]
+__all__ = ["Owner", "died", "execution", "expire", "expire_incarnation", "owner", "run",
+           "started", "take"]
 
 Liveness = Callable[[str | None, str | None, int | None], bool]
 
@@ -54,6 +55,27 @@ def config(store: Store, **settings: object) -> ResilientConfig:
 def execution(store: Store, claim: Claim, **settings: object) -> Execution:
     return Execution(store, config(store, **settings), claim.work_key, claim.epoch,
                      claim.attempts)
+
+
+def started(store: Store, who: Owner, lease: float = 30.0) -> Owner:
+    """Record ``who`` as a worker incarnation holding a lease, as a worker start does."""
+    store.register(who, "", lease)
+    return who
+
+
+def died(store: Store, who: Owner) -> None:
+    """``who``'s incarnation is gone (a worker start proved it dead, or it stopped)."""
+    store.register(who, "", 30)
+    assert store.declare_dead(who.incarnation)
+
+
+def expire_incarnation(store: Store, who: Owner, seconds_ago: float = 60.0) -> None:
+    """Move an incarnation's lease into the past, as if it stopped renewing it."""
+    wk = store.t.workers
+    past = store.now() - seconds_ago
+    with store.begin() as conn:
+        conn.execute(update(wk).where(wk.c.incarnation == who.incarnation)
+                     .values(lease_expires_at=past, heartbeat_at=past))
 
 
 def expire(store: Store, key: str, seconds_ago: float = 60.0) -> None:

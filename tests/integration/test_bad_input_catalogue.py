@@ -243,19 +243,20 @@ def test_non_positive_interval_schedule_is_refused(every: int) -> None:
 
 
 @pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
-def test_heartbeat_does_not_renew_a_claim_whose_pool_process_died(store: Store) -> None:
+def test_a_claim_whose_pool_process_died_is_released(store: Store) -> None:
     """Found by the chaos soak: a SIGKILLed pool child's claim was renewed by the live main
     process forever; the copy Celery requeued went to another worker, was skipped as "held",
-    and the work never finished. Now the lease ends at the next heartbeat and the sweeper of
-    any worker re-publishes it."""
+    and the work never finished. Now the worker releases it at its next round and the sweeper
+    of any worker re-publishes it."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert not pid_alive(child.pid)
     main = owner("a@host")
+    store.register(main, "", 30)
     dead_child = owner("a@host", incarnation=main.incarnation, pid=child.pid)
     run(store, "orphaned", dead_child)
-    run(store, "alive", main)  # a live pool process of the same worker keeps its lease
-    assert store.heartbeat(main, 30, pid_alive) == 1
+    run(store, "alive", main)  # a live pool process of the same worker keeps its claim
+    assert store.reconcile(main, pid_alive) == 1
     orphans = store.claim_orphans(owner("b@host"), 10, 30)
     assert [o.work_key for o in orphans] == ["orphaned"]
     row = store.get_work("orphaned")

@@ -1,8 +1,10 @@
-"""The heartbeat renews only reserved claims whose message the worker still holds.
+"""The worker keeps only claims that run somewhere; the rest are released for the sweep.
 
 A reserved claim whose message was acknowledged without the work ending (a store-outage
 re-send the broker then lost, found by the chaos soak) used to be renewed for as long as the
-worker lived, so nobody ever re-published it.
+worker lived, so nobody ever re-published it. The same for a running claim whose execution
+never started or ended without recording it (a lost take reply, a failed re-send): the
+incarnation's lease would keep it for as long as the worker lives.
 """
 
 from __future__ import annotations
@@ -10,22 +12,38 @@ from __future__ import annotations
 from celery_resilient.receipts import HeldRequests
 from celery_resilient.store.sql import Receipt, Store
 
-from .helpers import expire, owner, run
+from .helpers import owner, run, started
 
 
 def test_unheld_reserved_claims_lapse_and_are_re_published(store: Store) -> None:
-    me = owner("w@host")
+    me = started(store, owner("w@host"))
     store.record_receipts([Receipt("held", "proj.task", "t-held", None, '{"m": 1}'),
                            Receipt("gone", "proj.task", "t-gone", None, '{"m": 2}')], me, 30)
     running = run(store, "busy", me, task_id="t-busy")
-    for key in ("held", "gone", "busy"):
-        expire(store, key, 1)
     held = HeldRequests()
     held.add("t-held")
-    assert store.heartbeat(me, 30, held=held.snapshot()) == 2  # held + running
+    assert store.reconcile(me, held=held.snapshot()) == 1
     orphans = store.claim_orphans(owner("other@host"), 10, 30)
     assert [o.work_key for o in orphans] == ["gone"]
     assert running.epoch == 1
+    assert store.get_work("held").state == "reserved"  # type: ignore[union-attr]
+
+
+def test_running_claims_not_executing_lapse_after_the_grace(store: Store) -> None:
+    me = started(store, owner("w@host"))
+    run(store, "executing", me, task_id="t-exec")
+    run(store, "lost", me, task_id="t-lost")  # its take committed; the body never started
+    executing = frozenset({"t-exec"})
+    # Just taken: the main process may not have heard of the request yet.
+    assert store.reconcile(me, executing=executing, grace_seconds=30) == 0
+    assert store.reconcile(me, executing=executing, grace_seconds=0) == 1
+    orphans = store.claim_orphans(owner("other@host"), 10, 30)
+    assert [(o.work_key, o.previous_state) for o in orphans] == [("lost", "running")]
+    assert store.get_work("lost").deaths == 1  # type: ignore[union-attr]
+    assert store.get_work("executing").state == "running"  # type: ignore[union-attr]
+    # Unknown (None): nothing is judged by it.
+    run(store, "unknown", me, task_id="t-unknown")
+    assert store.reconcile(me, executing=None, grace_seconds=0) == 0
 
 
 def test_held_requests_count_copies_of_one_task_id() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from celery_resilient.beat.windows import from_seconds, to_seconds
-from celery_resilient.store.schedule import CLAIMED, SENT, SKIPPED, ScheduleStore
+from celery_resilient.store.schedule import CLAIMED, SENT, SKIPPED, STARTED, Run, ScheduleStore
 from celery_resilient.store.sql import Store
 
 T0 = 1_750_000_000_123_456  # microseconds: slots keep their microseconds exactly
@@ -110,3 +110,88 @@ def test_large_claim_is_one_transaction(store: Store) -> None:
     assert len(res.claimed) == 2500
     assert s.mark_sent("big", slots, "o") == 2500
     assert s.pending() == []
+
+
+# -- one start per slot (the worker's check for plain tasks, celery_resilient.beat.once) ------
+
+
+def test_start_once_per_slot_from_claimed_or_sent(store: Store) -> None:
+    """The first delivery starts the slot, whether or not beat recorded the send; a second
+    delivery of the same slot (a beat re-send after a crash) is refused; beat no longer
+    re-sends a started slot, and its late record of the send still counts it."""
+    s = ScheduleStore(store)
+    unrecorded, recorded = _slots(2)
+    s.claim("e", "beat-1", [(unrecorded, "t1"), (recorded, "t2")], [], marker=recorded)
+    assert s.mark_sent("e", [recorded], "beat-1") == 1
+    for slot, task_id in ((unrecorded, "t1"), (recorded, "t2")):
+        first = s.start("e", slot, task_id, "worker-a")
+        assert first.started and not first.taken_over and not first.recorded
+        again = s.start("e", slot, task_id, "worker-b")
+        assert not again.started
+        assert again.previous is not None
+        assert (again.previous.state, again.previous.owner) == (STARTED, "worker-a")
+    assert s.pending() == [], "a started slot is never re-sent"
+    assert s.mark_sent("e", [unrecorded], "beat-1") == 1, "the late record counts the send"
+    rows = {r.slot: r for r in s.runs_of("e")}
+    assert rows[unrecorded].state == STARTED and rows[unrecorded].sent_at is not None
+    assert rows[recorded].state == STARTED
+    assert s.claim("e", "beat-2", [(unrecorded, "t1")], [], marker=recorded).claimed == ()
+    assert s.prune(older_than=-10) == 2, "started rows are pruned like sent ones"
+
+
+def test_start_of_an_unknown_slot_records_it_and_a_skipped_slot_is_refused(
+        store: Store) -> None:
+    s = ScheduleStore(store)
+    pruned, skipped = _slots(2)
+    s.claim("e", "beat", [], [(skipped, "t-skip")], marker=skipped)
+    first = s.start("e", pruned, "t", "worker-a")
+    assert first.started and first.recorded
+    assert not s.start("e", pruned, "t", "worker-b").started
+    refused = s.start("e", skipped, "t-skip", "worker-a", take_over=lambda row: True)
+    assert not refused.started and refused.previous is not None
+    assert refused.previous.state == SKIPPED
+
+
+def test_start_take_over_is_compare_and_set(store: Store) -> None:
+    """A start may be replaced only when the caller's predicate says so (acks_late: the
+    starter is gone or the message was redelivered), and only by one delivery."""
+    s = ScheduleStore(store)
+    slot = _slots(1)[0]
+    s.claim("e", "beat", [(slot, "t")], [], marker=slot)
+    assert s.start("e", slot, "t", "dead-worker").started
+    seen: list[Run] = []
+
+    def gone(row: Run) -> bool:
+        seen.append(row)
+        return row.owner == "dead-worker"
+
+    assert not s.start("e", slot, "t", "worker-b", take_over=lambda row: False).started
+    won = s.start("e", slot, "t", "worker-b", take_over=gone)
+    assert won.started and won.taken_over
+    assert won.previous is not None and won.previous.owner == "dead-worker"
+    lost = s.start("e", slot, "t", "worker-c", take_over=gone)
+    assert not lost.started, "the previous owner changed: the second taker loses"
+    assert [r.owner for r in seen] == ["dead-worker", "worker-b"]
+    assert [r.owner for r in s.runs_of("e")] == ["worker-b"]
+
+
+def test_concurrent_starts_of_a_slot_have_exactly_one_winner(store: Store) -> None:
+    s = ScheduleStore(store)
+    slots = _slots(30)
+    s.claim("e", "beat", [(x, "t") for x in slots], [], marker=slots[-1])
+    s.mark_sent("e", slots[::2], "beat")  # half recorded sent, half left claimed
+    won: dict[str, list[float]] = {}
+    barrier = threading.Barrier(4)
+
+    def worker(owner: str) -> None:
+        barrier.wait()
+        won[owner] = [x for x in slots if s.start("e", x, "t", owner).started]
+
+    threads = [threading.Thread(target=worker, args=(f"w-{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    started = sorted(x for xs in won.values() for x in xs)
+    assert started == slots, "every slot started exactly once across four workers"
+    assert {r.state for r in s.runs_of("e")} == {STARTED}

@@ -4,7 +4,8 @@ A Hypothesis ``RuleBasedStateMachine`` drives :class:`~celery_resilient.store.sq
 workers, pool processes, sweepers, callers and operators do - receipts, durable submissions,
 takes (copies of several tries of two requests per key), finishes, failures, ignores,
 hand-backs (retry, requeueing Reject, replace), fenced checkpoints, store-outage re-sends,
-heartbeats, clean stops, sweeps, revokes (with and without terminate), discarded deliveries,
+lease renewals, releases of claims that run nowhere, clean stops, sweeps (judging leases or
+not, as after a store outage), revokes (with and without terminate), discarded deliveries,
 hard time limits, and the operator's cancel, retry and forget - on three work keys, with two
 worker nodes of up to two incarnations each, while pool processes and whole workers die.
 Time never passes for real: leases are granted either far in the future or already in the
@@ -148,6 +149,8 @@ class Incarnation:
     pool: list[int]
     alive: bool = True
     held: Counter[str] = field(default_factory=Counter)  # messages received, not yet acked
+    lease: str = "live"  # the incarnation's own lease row: "live" or "lapsed"
+    stopped: bool = False  # stopped cleanly, or proven dead by a later start
 
     @property
     def main(self) -> Owner:
@@ -248,11 +251,32 @@ class StoreMachine(RuleBasedStateMachine):
     # -- workers and processes ----------------------------------------------------------
 
     def _start(self, node: str) -> None:
+        """A worker start registers its incarnation's lease and proves its dead
+        predecessors of the same node dead (same host: their processes are gone)."""
         n = len(self.incarnations[node])
         inc = Incarnation(node, f"{node}#{n}", next(self.pids),
                           [next(self.pids) for _ in range(POOL_SIZE)])
         self.live_pids.update([inc.main_pid, *inc.pool])
+        self.store.register(inc.main, "", LIVE)
+        for earlier in self.incarnations[node]:
+            declared = self.store.declare_dead(earlier.name)
+            assert declared == (not earlier.stopped), (earlier, declared)
+            earlier.stopped = True
         self.incarnations[node].append(inc)
+
+    def _incarnation(self, name: str | None) -> Incarnation | None:
+        for incs in self.incarnations.values():
+            for inc in incs:
+                if inc.name == name:
+                    return inc
+        return None
+
+    def _owner_gone(self, u: Unit, judge_leases: bool = True) -> bool:
+        """What the sweep judges: the claim's owner is known gone."""
+        inc = self._incarnation(u.inc)
+        if inc is None:  # no owner (handed back, re-published, released): its own hold
+            return u.lease == "lapsed"
+        return inc.stopped or (judge_leases and inc.lease == "lapsed")
 
     def _current(self, node: str) -> Incarnation | None:
         incs = self.incarnations[node]
@@ -522,11 +546,13 @@ class StoreMachine(RuleBasedStateMachine):
         return ("run", None), replace(started, deaths=deaths)
 
     def _running_elsewhere(self, u: Unit, who: Owner) -> bool:
+        if u.inc is None:
+            return False  # released: it runs nowhere
         if u.inc == who.incarnation:
             return self._is_live(u.node, u.inc, u.pid)
-        if u.node == who.node:
-            return False  # an earlier incarnation of this node: gone
-        return u.lease == "live"
+        inc = self._incarnation(u.inc)
+        assert inc is not None, u  # every incarnation of the model registered its lease
+        return not inc.stopped and inc.lease == "live"  # by liveness, never by node name
 
     @rule(key=st.sampled_from(KEYS), t=TASKS, r=TRIES, n=st.integers(0, 1),
           p=st.integers(0, POOL_SIZE - 1), lease=LEASES)
@@ -699,42 +725,53 @@ class StoreMachine(RuleBasedStateMachine):
                 self._kill_process(ex.owner)
             self._end_request(task_id, REVOKED)
 
-    @rule(n=st.integers(0, 1), lease=LEASES, filtered=st.booleans())
-    def heartbeat(self, n: int, lease: float, filtered: bool) -> None:
-        """The main process renews its claims: not those of dead pool processes, and (when
-        it filters by the messages it holds) not reserved claims whose message it let go."""
+    @rule(n=st.integers(0, 1), lease=LEASES)
+    def heartbeat(self, n: int, lease: float) -> None:
+        """The lease keeper renews its incarnation's one lease row; no claim row changes."""
+        inc = self._worker(n)
+        _, after, alive = self._apply("heartbeat", lambda: self.store.heartbeat(inc.main, lease))
+        assert alive == (not inc.stopped)
+        inc.lease = lease_of(lease)
+        self._assert_mirror(after, "heartbeat")
+
+    @rule(n=st.integers(0, 1), filtered=st.booleans())
+    def reconcile(self, n: int, filtered: bool) -> None:
+        """The main process releases its claims that run nowhere: those of dead pool
+        processes, and (when it filters by the messages it holds) reserved claims whose
+        message it let go."""
         inc = self._worker(n)
         held = frozenset(inc.held) if filtered else None
-        dead = {u.pid for u in self.units.values()
-                if u.inc == inc.name and u.state == RUNNING and u.pid is not None
-                and u.pid != inc.main_pid and not self._pid_alive(u.pid)}
-        _, _, renewed = self._apply("heartbeat", lambda: self.store.heartbeat(
-            inc.main, lease, self._pid_alive, held))
-        if dead:
-            time.sleep(0.005)  # a lease ended "now" is over by the next read (SQLite: ms clock)
-        count = 0
-        for u in self.units.values():
+        expected = []
+        for k, u in self.units.items():
             if u.inc != inc.name:
                 continue
-            if u.state == RUNNING and u.pid in dead:
-                u.lease = "lapsed"
-            elif u.state == RUNNING or (u.state == RESERVED and (
-                    held is None or u.task_id in held)):
-                u.lease = lease_of(lease)
-                count += 1
-        assert renewed == count
-        self._assert_mirror(self._rows(), "heartbeat")
+            if (u.state == RESERVED and held is not None and u.task_id not in held) or (
+                    u.state == RUNNING and u.pid is not None and u.pid != inc.main_pid
+                    and not self._pid_alive(u.pid)):
+                expected.append(k)
+        _, _, released = self._apply("reconcile", lambda: self.store.reconcile(
+            inc.main, self._pid_alive, held))
+        if expected:
+            time.sleep(0.005)  # a lease ended "now" is over by the next read (SQLite: ms clock)
+        for k in expected:
+            u = self.units[k]
+            u.inc, u.pid, u.lease = None, None, "lapsed"
+        assert released == len(expected)
+        self._assert_mirror(self._rows(), "reconcile")
 
-    @rule(n=st.integers(0, 1), limit=st.integers(1, 3), hold=LEASES)
-    def sweep(self, n: int, limit: int, hold: float) -> None:
-        """The recovery sweep of a worker takes back orphans and marks them re-published."""
+    @rule(n=st.integers(0, 1), limit=st.integers(1, 3), hold=LEASES,
+          judge_leases=st.booleans())
+    def sweep(self, n: int, limit: int, hold: float, judge_leases: bool) -> None:
+        """The recovery sweep of a worker takes back orphans and marks them re-published:
+        claims of stopped or proven-dead incarnations, of incarnations whose lease lapsed
+        (unless the store was just unreachable), and ownerless claims whose hold lapsed."""
         inc = self._worker(n)
-        candidates = {k for k, u in self.units.items() if u.state in OPEN_STATES and (
-            u.lease == "lapsed" or (u.node == inc.node and u.inc is not None
-                                    and u.inc != inc.name))}
+        candidates = {k for k, u in self.units.items()
+                      if u.state in OPEN_STATES and self._owner_gone(u, judge_leases)}
         ended: list[Ended] = []
         before, after, orphans = self._apply("claim_orphans", lambda: self.store.claim_orphans(
-            inc.main, limit, hold, self.max_republish, self.max_hold, ended))
+            inc.main, limit, hold, self.max_republish, self.max_hold, ended, 30.0,
+            judge_leases))
         taken = {k for k in candidates
                  if after[k].state != before[k].state
                  or after[k].unit.republished != before[k].unit.republished}
@@ -771,15 +808,20 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule()
     def time_passes(self) -> None:
-        """Long enough that every lease granted so far is over (the database clock is used)."""
-        w = self.store.t.work
+        """Long enough that every lease granted so far is over (the database clock is used):
+        the claims' own and the incarnations'."""
+        w, wk = self.store.t.work, self.store.t.workers
         with self.store.begin() as conn:
             conn.execute(update(w).where(w.c.lease_expires_at.is_not(None))
                          .values(lease_expires_at=self.store.dialect.now() - 60))
+            conn.execute(update(wk).values(lease_expires_at=self.store.dialect.now() - 60))
         self.last_read = None
         for u in self.units.values():
             if u.lease is not None:
                 u.lease = "lapsed"
+        for incs in self.incarnations.values():
+            for inc in incs:
+                inc.lease = "lapsed"
 
     # -- the operator -----------------------------------------------------------------
 
@@ -866,6 +908,7 @@ class StoreMachine(RuleBasedStateMachine):
             for u in self.units.values():
                 if u.inc == inc.name and u.state == RESERVED:
                     u.state, u.node, u.inc, u.lease = REQUEUED, None, None, lease_of(hold)
+            inc.stopped = True
             self._assert_mirror(after, "mark_stopped")
         inc.alive = False
         for pid in (inc.main_pid, *inc.pool):
@@ -896,8 +939,9 @@ class StoreMachine(RuleBasedStateMachine):
                        if ex.key == key and ex.epoch == s.unit.epoch]
             assert holders, f"{key} is running at epoch {s.unit.epoch}, which no take gave"
             w = holders[-1]
-            assert (w.owner.node, w.owner.incarnation, w.owner.pid) == (
-                s.unit.node, s.unit.inc, s.unit.pid), (key, w, s.unit)
+            released = s.unit.inc is None and s.unit.pid is None  # let go by its worker
+            assert w.owner.node == s.unit.node and (released or (
+                w.owner.incarnation, w.owner.pid) == (s.unit.inc, s.unit.pid)), (key, w, s.unit)
             others = [ex for ex in holders[:-1] if not ex.ended]
             assert not others, f"{key}: epoch {s.unit.epoch} is held by {others} and {w}"
         for ex in self._running():  # the superseded ones the store itself must refuse
@@ -916,6 +960,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert u.lease is not None, f"open work {key} has no lease: never an orphan"
             if u.state != RUNNING:
                 continue
+            if u.inc is None:
+                continue  # released by its worker: the sweep takes it back
             ex = [ex for ex in self.executions if ex.key == key and ex.epoch == u.epoch][-1]
             inc = next(i for i in self.incarnations[u.node or ""] if i.name == u.inc)
             covered = (self._live(ex) or u.pid not in self.live_pids or not inc.alive

@@ -22,7 +22,17 @@ from celery_resilient.ledger import Ledger
 from celery_resilient.steps import run_step
 from celery_resilient.store.sql import Store
 
-from .helpers import execution, expire, never_live, owner, run, take
+from .helpers import (
+    died,
+    execution,
+    expire,
+    expire_incarnation,
+    never_live,
+    owner,
+    run,
+    started,
+    take,
+)
 
 # -- take -------------------------------------------------------------------------------
 
@@ -74,9 +84,24 @@ def test_take_after_lease_expired_takes_over(store: Store) -> None:
         b.node, b.incarnation, 1)
 
 
-def test_take_of_an_earlier_incarnation_of_this_node_is_immediate(store: Store) -> None:
-    run(store, "k", owner("a@host", incarnation="first-start"))
-    claim = run(store, "k", owner("a@host", incarnation="second-start"))  # lease still live
+def test_take_of_an_earlier_incarnation_of_this_node_waits_for_its_liveness(
+        store: Store) -> None:
+    first = started(store, owner("a@host", incarnation="first-start"))
+    run(store, "k", first)
+    second = owner("a@host", incarnation="second-start")
+    # Same node name, first start still holds its lease: a live duplicate, not a takeover.
+    assert take(store, "k", second).action == "held"
+    died(store, first)  # proven dead by the second start (or its lease expired)
+    claim = run(store, "k", second)
+    assert (claim.epoch, claim.deaths) == (2, 1)
+
+
+def test_take_of_an_expired_incarnation_takes_over(store: Store) -> None:
+    first = started(store, owner("a@host"))
+    run(store, "k", first)
+    assert take(store, "k", owner("b@host")).action == "held"
+    expire_incarnation(store, first)
+    claim = run(store, "k", owner("b@host"))
     assert (claim.epoch, claim.deaths) == (2, 1)
 
 
@@ -345,49 +370,61 @@ def _lease(store: Store, key: str) -> float:
     return row.lease_expires_at
 
 
-def test_heartbeat_renews_only_this_incarnations_open_claims(store: Store) -> None:
-    me, other = owner("a@host"), owner("b@host")
-    run(store, "mine-running", me, lease=5)
-    store.record_receipt("mine-reserved", "proj.task", "t", None, None, me, 5)
-    done = run(store, "mine-done", me, lease=5)
-    store.finish("mine-done", done.epoch, None)
+def test_heartbeat_renews_one_lease_row_whatever_the_number_of_claims(store: Store) -> None:
+    me, other = started(store, owner("a@host"), lease=5), started(store, owner("b@host"))
+    for i in range(20):
+        run(store, f"mine-{i}", me, lease=5)
     run(store, "theirs", other, lease=5)
-    theirs_before = _lease(store, "theirs")
+    claim_leases = {r.work_key: r.lease_expires_at for r in store.list_work()}
 
-    updates: list[str] = []
+    statements: list[str] = []
 
     def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.lstrip().upper().startswith("UPDATE") and f"{store.prefix}work" in statement:
-            updates.append(statement)
+        statements.append(statement)
 
     event.listen(store.engine, "before_cursor_execute", count)
     try:
-        renewed = store.heartbeat(me, 600)
+        assert store.heartbeat(me, 600) is True
     finally:
         event.remove(store.engine, "before_cursor_execute", count)
-    assert renewed == 2
-    assert len(updates) == 1, updates  # one statement for all of them
-    now = store.now()
-    assert _lease(store, "mine-running") > now + 500
-    assert _lease(store, "mine-reserved") > now + 500
-    assert store.get_work("mine-done").lease_expires_at is None  # type: ignore[union-attr]
-    assert _lease(store, "theirs") == theirs_before
-    assert store.heartbeat(owner("idle@host"), 600) == 0
+    writes = [s for s in statements if s.lstrip().upper().startswith(("UPDATE", "INSERT"))]
+    assert len(writes) == 1 and f"{store.prefix}workers" in writes[0], writes
+    assert not any(f"{store.prefix}work " in s or f"{store.prefix}work\n" in s
+                   for s in writes)  # no claim row is touched (or locked)
+    assert {r.work_key: r.lease_expires_at for r in store.list_work()} == claim_leases
+    # Twenty claims on one incarnation: its lease keeps them all, long after their own.
+    for i in range(20):
+        expire(store, f"mine-{i}")
+    assert store.claim_orphans(other, 100, 30) == []
+    # A heartbeat of an incarnation another start declared dead says so.
+    died(store, me)
+    assert store.heartbeat(me, 600) is False
+    assert store.heartbeat(owner("new@host"), 600) is True  # a pruned row comes back
 
 
-def test_claim_orphans_takes_expired_and_earlier_incarnation_claims(store: Store) -> None:
-    sweeper = owner("a@host", incarnation="now")
-    run(store, "expired-running", owner("b@host"))
-    expire(store, "expired-running")
+def test_claim_orphans_takes_claims_of_gone_owners_only(store: Store) -> None:
+    sweeper = started(store, owner("a@host", incarnation="now"))
+    expired_owner = started(store, owner("b@host"))
+    run(store, "expired-running", expired_owner)
+    expire_incarnation(store, expired_owner)
     store.record_receipt("expired-reserved", "proj.task", "t", None, '{"m": 1}',
-                         owner("c@host"), 30)
+                         owner("c@host"), 30)  # an owner without a lease row: its own lease
     expire(store, "expired-reserved")
-    run(store, "earlier-me", owner("a@host", incarnation="before"))  # lease still live
-    run(store, "live-other", owner("d@host"))
+    earlier = owner("a@host", incarnation="before")
+    run(store, "earlier-me", earlier)
+    died(store, earlier)  # proven dead at the start of "now": taken at once
+    live_other = started(store, owner("d@host"))
+    run(store, "live-other", live_other)
+    expire(store, "live-other")  # its own lease is irrelevant while its owner's lease lives
     run(store, "live-me", sweeper)
     finished = run(store, "finished", owner("e@host"))
     store.finish("finished", finished.epoch, None)
     expire(store, "finished")
+    # While leases cannot be judged (the store was just down), only proven-dead owners.
+    assert [o.work_key for o in store.claim_orphans(sweeper, 100, 30, judge_leases=False)
+            ] == ["earlier-me"]
+    store.unsend(["earlier-me"], 0)  # and make it an orphan again for the full sweep below
+    expire(store, "earlier-me")
 
     orphans = store.claim_orphans(sweeper, 100, 30)
     by_key = {o.work_key: o for o in orphans}
@@ -409,6 +446,7 @@ def test_claim_orphans_takes_expired_and_earlier_incarnation_claims(store: Store
     assert store.get_work("earlier-me").deaths == 1  # type: ignore[union-attr]
     for key in ("live-other", "live-me"):
         assert store.get_work(key).state == "running"  # type: ignore[union-attr]
+    assert store.get_work("earlier-me").republished == 1  # type: ignore[union-attr]
     # Within the new lease nothing is returned twice; after it, the orphan is sent again.
     assert store.claim_orphans(sweeper, 100, 30) == []
     expire(store, "expired-reserved")

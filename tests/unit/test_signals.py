@@ -19,6 +19,7 @@ DOCUMENTED = {
     "work_fenced": {"work_key", "task_id", "task", "epoch", "error"},
     "work_dead": {"work_key", "task_id", "task", "reason"},
     "slot_caught_up": {"entry", "slot", "task_id", "late_seconds"},
+    "work_handed_off": {"work_key", "task_id", "task", "epoch", "republished"},
 }
 COUNTERS = {
     "work_recovered": "resilient_work_recovered_total",
@@ -26,6 +27,7 @@ COUNTERS = {
     "work_fenced": "resilient_work_fenced_total",
     "work_dead": "resilient_work_dead_total",
     "slot_caught_up": "resilient_slots_caught_up_total",
+    "work_handed_off": "resilient_work_handed_off_total",
 }
 
 

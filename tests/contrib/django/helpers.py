@@ -41,6 +41,8 @@ def dead(store: Store, key: str, queue: str) -> None:
     doomed = Owner(f"doomed-{key}@host", "inc-1", 7)
     running(store, key, queue, owner=doomed)
     restarted = Owner(doomed.node, "inc-2", 8)
+    store.register(doomed, "", 60)
+    store.declare_dead(doomed.incarnation)  # the restart proved it dead
     assert [o.work_key for o in store.claim_orphans(restarted, 10, 60)] == [key]
     outcome = store.take(key, TASK, key, None, restarted, 60, 1, is_live=lambda *_: False)
     assert outcome.action == "dead"
