@@ -35,6 +35,7 @@ class Resilient:
         self._lock = threading.Lock()
         self.receipts = receipts.ReceiptBuffer()
         self.held = receipts.HeldRequests()
+        self.resent = outcomes.RecentlyResent()
         self.outcomes = outcomes.OutcomeBuffer(self.receipts.arrived)
         setattr(app, _ATTR, self)
         from .worker import ResilientWorkerStep

@@ -137,8 +137,8 @@ class ConsumptionGate:
             if name not in self._cancelled:
                 self._cancelled.append(name)
         self._paused = True
-        log.warning("store unavailable (%s); paused consuming from %s until it answers",
-                    reason, ", ".join(self._cancelled) or "no queue",
+        log.warning("paused consuming from %s until the store answers: %s",
+                    ", ".join(self._cancelled) or "no queue", reason,
                     extra={"action": "consumption_paused", "queues": list(self._cancelled)})
 
     def _resume(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,35 @@ class OutcomeBuffer:
         return len(items)
 
 
+class RecentlyResent:
+    """Task ids whose execution re-sent itself (the store was down mid-task).
+
+    Its claim stays ``running`` with nobody executing it until the copy arrives and takes
+    it over (the copy names the epoch it supersedes); while the store stays down the copy
+    re-sends itself again, possibly from another worker. The worker must not release such
+    a claim as "running nowhere" meanwhile, or a sweep would re-publish it and count a
+    death. An id is kept for ``window`` seconds after it was re-sent or after the store
+    was last unreachable, whichever is later.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, task_id: str, window: float) -> None:
+        with self._lock:
+            self._sent[task_id] = (time.monotonic(), window)
+
+    def snapshot(self, store_down_at: float | None = None) -> frozenset[str]:
+        """The ids still covered; ``store_down_at``: monotonic time of the last outage."""
+        now = time.monotonic()
+        with self._lock:
+            for task_id, (sent, window) in list(self._sent.items()):
+                if max(sent, store_down_at or 0.0) + window < now:
+                    del self._sent[task_id]
+            return frozenset(self._sent)
+
+
 def on_task_revoked(rt: Resilient, request: Any, terminated: bool, expired: bool) -> None:
     """Celery's ``task_revoked``: a delivery discarded (revoked, expired) or terminated."""
     task_id = getattr(request, "id", None)
@@ -111,6 +141,16 @@ class ResumableRequest(Request):  # type: ignore[misc]
         was = self.acknowledged
         super().reject(requeue)
         self._released(was)
+
+    def on_retry(self, exc_info: Any) -> None:
+        """A retry or a store-outage re-send: its copy is in flight to take the claim."""
+        super().on_retry(exc_info)
+        from .app import Resilient
+
+        rt = Resilient.enabled_on(self.task.app)
+        if rt is not None:
+            cfg = rt.config
+            rt.resent.add(self.id, 2 * cfg.store_retry_max + cfg.lease_seconds)
 
     def _released(self, was_acknowledged: bool) -> None:
         if was_acknowledged or not self.acknowledged:

@@ -81,8 +81,13 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("cancel", OPEN_STATES, CANCELLED, "operator",
                "celery resilient cancel / Django admin; running work stops at its next write"),
     Transition("orphan", OPEN_STATES, REQUEUED, "sweeper",
-               "the owner's lease expired (or it is an earlier start of this node): "
-               "re-published with backoff; a running claim counts a death"),
+               "the owner incarnation is gone (stopped, proven dead, or its lease expired) "
+               "or the claim has no owner: re-published with backoff; a running claim "
+               "counts a death"),
+    Transition("let_go", (RUNNING,), REQUEUED, "worker main process",
+               "its execution ended without recording an outcome (a lost take reply, a "
+               "store-outage re-send in flight): no death; the copy in flight takes it, or "
+               "the sweep re-publishes it when the hold expires"),
     Transition("park", OPEN_STATES, DEAD, "pool process or sweeper",
                "deaths reached resilient_max_attempts, or re-publishes reached "
                "resilient_max_republish without a start"),

@@ -28,6 +28,7 @@ from celery import signals as celery_signals
 from celery.worker.state import active_requests
 
 from . import handoff, identity, liveness, recovery
+from .backpressure import ConsumptionGate
 from .errors import ResilientError, StoreUnavailable
 from .outcomes import RevokeWatcher
 from .store.sql import Owner, Store
@@ -100,11 +101,14 @@ def executing_task_ids() -> frozenset[str] | None:
 class Maintainer(threading.Thread):
     """Flushes receipts and outcomes, releases dead claims and sweeps orphans, until stopped."""
 
-    def __init__(self, rt: Resilient, owner: Owner, keeper: LeaseKeeper | None = None) -> None:
+    def __init__(self, rt: Resilient, owner: Owner, keeper: LeaseKeeper | None = None,
+                 gate: ConsumptionGate | None = None) -> None:
         super().__init__(name="celery-resilient-maintainer", daemon=True)
         self.rt = rt
         self.owner = owner
         self.keeper = keeper
+        #: Stops message consumption while the store is unreachable.
+        self.gate = gate
         self._stop_event = threading.Event()
         self.rounds = 0
         self.revokes = RevokeWatcher()
@@ -133,6 +137,13 @@ class Maintainer(threading.Thread):
                 return 0
         return len(items)
 
+    def store_down_at(self) -> float | None:
+        """Monotonic time this worker last failed to reach the store (None: never)."""
+        failures = [t for t in (self.last_failure,
+                                self.keeper.last_failure if self.keeper else None)
+                    if t is not None]
+        return max(failures) if failures else None
+
     def judge_leases(self) -> bool:
         """Whether other owners' expired leases mean they are gone.
 
@@ -140,17 +151,19 @@ class Maintainer(threading.Thread):
         other owners could not renew either, and need a full lease to reach it again.
         """
         lease = self.rt.config.lease_seconds
-        failures = [t for t in (self.last_failure,
-                                self.keeper.last_failure if self.keeper else None)
-                    if t is not None]
-        if failures and time.monotonic() - max(failures) < lease:
+        down_at = self.store_down_at()
+        if down_at is not None and time.monotonic() - down_at < lease:
             return False
         up_for = self.rt.store.up_for()
         return up_for is None or up_for >= lease
 
     def reconcile(self) -> int:
-        return self.rt.store.reconcile(self.owner, identity.pid_alive, self.rt.held.snapshot(),
-                                       executing_task_ids(), EXECUTING_GRACE_SECONDS)
+        """Release this worker's claims that run nowhere (see ``Store.reconcile``)."""
+        cfg = self.rt.config
+        return self.rt.store.reconcile(
+            self.owner, identity.pid_alive, self.rt.held.snapshot(), executing_task_ids(),
+            EXECUTING_GRACE_SECONDS, self.rt.resent.snapshot(self.store_down_at()),
+            2 * cfg.store_retry_max + cfg.sweep_interval)
 
     def run(self) -> None:
         cfg = self.rt.config
@@ -170,10 +183,14 @@ class Maintainer(threading.Thread):
                     next_sweep = now + cfg.sweep_interval
                     self.rounds += 1
                 failures = 0
+                if self.gate is not None:
+                    self.gate.store_up()
                 wait = max(0.0, next_sweep - time.monotonic())
             except StoreUnavailable as exc:
                 failures += 1
                 self.last_failure = time.monotonic()
+                if self.gate is not None:
+                    self.gate.store_down(str(exc))
                 wait = _backoff(self.rt, failures, cfg.sweep_interval)
                 log.warning("maintenance round failed (%s); retrying in %.1fs", exc, wait,
                             extra={"action": "store_retry"})
@@ -235,11 +252,12 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.hostname = worker.hostname
         handoff.reset()
         rt.startup(owner)
+        rt.receipts.max_bytes = rt.config.receipt_buffer_bytes
         rt.store.register(owner, liveness.current(), rt.config.lease_seconds)
         settle_predecessors(rt, owner)
         self.keeper = LeaseKeeper(rt, owner)
         self.keeper.start()
-        self.maintainer = Maintainer(rt, owner, self.keeper)
+        self.maintainer = Maintainer(rt, owner, self.keeper, ConsumptionGate(worker))
         self.maintainer.start()
         celery_signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(self._on_shutdown, weak=False)

@@ -276,11 +276,12 @@ class AdminQueries:
         m, r = self.t.schedule_markers, self.t.schedule_runs
         runs = (select(
             r.c.entry,
-            func.sum(_when(r.c.state == "sent")).label("sent"),
+            func.sum(_when(r.c.state.in_(("sent", "started")))).label("sent"),
             func.sum(_when(r.c.state == "skipped")).label("skipped"),
             func.sum(_when(r.c.state == CLAIMED)).label("pending"),
             func.min(_value_when(r.c.state == CLAIMED, r.c.claimed_at)).label("oldest_claim"),
-            func.max(_value_when(r.c.state == "sent", r.c.slot)).label("last_sent"),
+            func.max(_value_when(r.c.state.in_(("sent", "started")), r.c.slot))
+            .label("last_sent"),
         ).group_by(r.c.entry).subquery())
         q = (select(m.c.entry, m.c.last_slot, m.c.definition_json, m.c.updated_at,
                     runs.c.sent, runs.c.skipped, runs.c.pending, runs.c.oldest_claim,

@@ -853,22 +853,24 @@ class Store:
     @guarded
     def reconcile(self, owner: Owner, pid_alive: Callable[[int | None], bool] | None = None,
                   held: frozenset[str] | None = None, executing: frozenset[str] | None = None,
-                  grace_seconds: float = 5.0) -> int:
+                  grace_seconds: float = 5.0, resent: frozenset[str] = frozenset(),
+                  resend_hold: float = 60.0) -> int:
         """Release this incarnation's claims that run nowhere; return how many.
 
         The incarnation's lease keeps every claim it names alive, so a claim whose execution
         is gone must be let go explicitly, or it would stay open as long as the worker lives:
 
-        - a running claim whose pool process died (``pid_alive``), e.g. a SIGKILLed child;
-        - a running claim whose task id is not ``executing`` in this worker's pool (its take
-          committed but the body never started or ended without recording it: a lost reply,
-          a failed re-send), untouched for ``grace_seconds`` (a take lands a moment before
-          the main process hears its pool process accepted the task);
+        - a running claim whose pool process died (``pid_alive``), e.g. a SIGKILLed child,
+          loses its owner: the next sweep re-publishes it and counts a death;
+        - a running claim whose task id is not ``executing`` in this worker's pool,
+          untouched for ``grace_seconds`` (a take lands a moment before the main process
+          hears its pool process accepted the task), ended without recording an outcome: a
+          lost take reply, a failed hand-back, or a store-outage re-send (its task id in
+          ``resent``). It goes back to ``requeued`` without a death: a copy in flight takes
+          it; the sweep re-publishes it at once, or after ``resend_hold`` for a re-send;
         - a reserved claim whose message the worker no longer ``held`` (acked or rejected
-          without the work ending).
-
-        A released claim has no owner and an expired lease: the next sweep re-publishes it,
-        and a copy that arrives meanwhile takes it at once.
+          without the work ending), and not re-sent, loses its owner: the next sweep
+          re-publishes it.
         """
         w = self.t.work
         now = self.dialect.now()
@@ -880,9 +882,10 @@ class Store:
                        w.c.state.in_((RUNNING, RESERVED)))).all()
             dead_pids: dict[int, bool] = {}
             lapse: list[tuple[str, int, str]] = []
+            let_go: list[tuple[str, int, float]] = []
             for r in rows:
                 if r.state == RESERVED:
-                    if held is not None and r.task_id not in held:
+                    if held is not None and r.task_id not in held and r.task_id not in resent:
                         lapse.append((r.work_key, int(r.epoch), "its message is no longer held"))
                     continue
                 pid = r.owner_pid
@@ -893,15 +896,25 @@ class Store:
                         lapse.append((r.work_key, int(r.epoch), f"pool process {pid} is gone"))
                         continue
                 if executing is not None and r.task_id not in executing and r.quiet:
-                    lapse.append((r.work_key, int(r.epoch), "not executing in this worker"))
+                    let_go.append((r.work_key, int(r.epoch),
+                                   resend_hold if r.task_id in resent else 0.0))
+            mine = w.c.incarnation == owner.incarnation
             for key, epoch, why in lapse:
-                conn.execute(update(w).where(w.c.work_key == key, w.c.epoch == epoch,
-                                             w.c.incarnation == owner.incarnation,
+                conn.execute(update(w).where(mine, w.c.work_key == key, w.c.epoch == epoch,
                                              w.c.state.in_((RUNNING, RESERVED)))
                              .values(incarnation=None, owner_pid=None, lease_expires_at=now))
                 log.warning("claim on %s released: %s", key, why,
                             extra={"action": "lease_lapsed", "work_key": key, "reason": why})
-        return len(lapse)
+            for key, epoch, hold in let_go:
+                conn.execute(update(w).where(mine, w.c.work_key == key, w.c.epoch == epoch,
+                                             w.c.state == RUNNING)
+                             .values(state=REQUEUED, owner_node=None, incarnation=None,
+                                     owner_pid=None, lease_expires_at=now + hold,
+                                     updated_at=now))
+                log.warning("work %s requeued: its execution ended without an outcome%s", key,
+                            f"; its re-sent copy has {hold:.0f}s to take it" if hold else "",
+                            extra={"action": "let_go", "work_key": key})
+        return len(lapse) + len(let_go)
 
     @guarded
     def mark_stopped(self, owner: Owner, hold_seconds: float) -> None:

@@ -84,11 +84,9 @@ def test_store_outage_pauses_consumption_and_keeps_the_backlog_in_the_broker(
     project = make_project(broker_url, throwaway_pg.url)
     project.extra = {"resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2,
                      "resilient_heartbeat_interval": 1, "resilient_sweep_interval": 1}
-    import os  # SCRATCH
-    if os.environ.get("BP_SCRATCH"):  # SCRATCH
-        worker = project.nodes.worker("gatewired", name="worker", concurrency=2, queues=(project.queue,), env={**project.env(), "PYTHONPATH": "/tmp/bpscratch:" + os.getcwd()})  # SCRATCH
-    else:  # SCRATCH
-        worker = project.worker(concurrency=2)
+    # A node name of its own: `inspect` must hear this worker only, and RabbitMQ's exclusive
+    # pidbox queue must not collide with another test's worker@host.
+    worker = project.worker(name=f"bp-{project.queue}", concurrency=2)
     logs: Callable[[], str] = worker.process.logs
     warm = project.send("short", -1)
     wait_for(lambda: project.all_done([warm]), 30, "a first task with the store up")
@@ -103,7 +101,6 @@ def test_store_outage_pauses_consumption_and_keeps_the_backlog_in_the_broker(
                       and _held_by_worker(project, worker) == 0), 60,
              f"all {TASKS} messages back in the broker and none held by the worker")
     resent = _count(RESENT, logs())
-    print("SCRATCH resent", resent)  # SCRATCH
     assert resent < TASKS // 2, f"{resent} of {TASKS} tasks were consumed before the pause"
     if broker_url.startswith("redis"):
         queued = _redis_messages(broker_url, project.queue)
@@ -129,7 +126,6 @@ def test_store_outage_pauses_consumption_and_keeps_the_backlog_in_the_broker(
     assert set(ran.values()) == {1}, {k: n for k, n in ran.items() if n != 1}
     assert _ready_in_broker(broker_url, project.queue) == 0
     final = logs()
-    print("SCRATCH", "\n".join(line for line in final.splitlines() if re.search("consum|Canceling|ERROR", line))[:6000])  # SCRATCH
     assert _count(r"paused consuming from", final) == 1
     assert _count(r"resumed consuming from", final) == 1
     assert "Traceback" not in final, final[-4000:]

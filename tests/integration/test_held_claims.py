@@ -29,17 +29,25 @@ def test_unheld_reserved_claims_lapse_and_are_re_published(store: Store) -> None
     assert store.get_work("held").state == "reserved"  # type: ignore[union-attr]
 
 
-def test_running_claims_not_executing_lapse_after_the_grace(store: Store) -> None:
+def test_running_claims_not_executing_are_let_go_after_the_grace(store: Store) -> None:
     me = started(store, owner("w@host"))
     run(store, "executing", me, task_id="t-exec")
     run(store, "lost", me, task_id="t-lost")  # its take committed; the body never started
+    run(store, "resent", me, task_id="t-resent")  # re-sent itself: the store was down
     executing = frozenset({"t-exec"})
     # Just taken: the main process may not have heard of the request yet.
     assert store.reconcile(me, executing=executing, grace_seconds=30) == 0
-    assert store.reconcile(me, executing=executing, grace_seconds=0) == 1
+    assert store.reconcile(me, executing=executing, grace_seconds=0,
+                           resent=frozenset({"t-resent"}), resend_hold=600) == 2
+    for key in ("lost", "resent"):
+        row = store.get_work(key)
+        assert row is not None and (row.state, row.incarnation, row.deaths) == (
+            "requeued", None, 0), row  # no death: nothing died, the execution just ended
     orphans = store.claim_orphans(owner("other@host"), 10, 30)
-    assert [(o.work_key, o.previous_state) for o in orphans] == [("lost", "running")]
-    assert store.get_work("lost").deaths == 1  # type: ignore[union-attr]
+    assert [(o.work_key, o.previous_state) for o in orphans] == [("lost", "requeued")]
+    # The re-sent copy has its hold to take the claim; it does, without a death.
+    copy = run(store, "resent", owner("other@host"), task_id="t-resent")
+    assert (copy.epoch, copy.deaths) == (2, 0)
     assert store.get_work("executing").state == "running"  # type: ignore[union-attr]
     # Unknown (None): nothing is judged by it.
     run(store, "unknown", me, task_id="t-unknown")

@@ -200,6 +200,7 @@ TARGETS: dict[str, dict[str, str]] = {
     "record_revocations": {REVOKED: "revoke"},
     "claim_orphans": {REQUEUED: "orphan", REVOKED: "revoke", DEAD: "park"},
     "mark_stopped": {REQUEUED: "stop"},
+    "reconcile": {REQUEUED: "let_go"},
     "cancel": {CANCELLED: "cancel"},
     "retry": {REQUEUED: "retry"},
 }

@@ -23,7 +23,7 @@ from .conf import table_prefix
 
 PREFIX = table_prefix()
 STATES = [(s, s) for s in ALL_STATES]
-SLOT_STATES = [(s, s) for s in ("claimed", "sent", "skipped")]
+SLOT_STATES = [(s, s) for s in ("claimed", "sent", "started", "skipped")]
 
 
 def as_datetime(seconds: float | None) -> datetime | None:

@@ -1,0 +1,230 @@
+"""Deploys and faults on real workers: warm-shutdown hand-off, one node name on two live
+workers, and a store outage longer than the lease.
+
+Every execution of the long task records its start, each step and its end with its pid and
+fencing token (tests/e2e/deployproj.py), so each test checks what a user would: the work
+finished once, each step ran once, and no two executions of one unit overlapped in time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_resilient.testing import EffectLog, wait_for
+from celery_resilient.testing.nodes import LocalWorker
+from celery_resilient.testing.services import ThrowawayPostgres
+
+from .conftest import Project
+from .lifecycleproj import result_backend_for
+
+pytestmark = pytest.mark.e2e
+APP = "tests.e2e.deployproj"
+TASK = "tests.e2e.deployproj.long_job"
+
+
+@pytest.fixture
+def throwaway_pg() -> Iterator[ThrowawayPostgres]:
+    pg = ThrowawayPostgres().init()
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.destroy()
+
+
+def _worker(project: Project, name: str, node: str | None = None,
+            **settings: Any) -> LocalWorker:
+    """A worker of deployproj; ``settings`` override the project's extra app.conf."""
+    args = ["-n", node] if node else []
+    env = project.env()
+    env["RESILIENT_EXTRA"] = json.dumps({**project.extra, **settings})
+    return project.nodes.worker(APP, name=name, queues=(project.queue,), env=env,
+                                extra_args=args)
+
+
+def _client(project: Project) -> Celery:
+    app = Celery("deploy-client", broker=project.broker,
+                 backend=result_backend_for(project.env()), set_as_current=False)
+    app.conf.task_default_queue = project.queue
+    return app
+
+
+def _send(client: Celery, steps: int, delay: float) -> str:
+    return str(client.send_task(TASK, args=(steps, delay)).id)
+
+
+def _executions(effects: EffectLog, key: str) -> list[list[dict[str, Any]]]:
+    """The entries of each execution of ``key`` (one per fencing token), in start order."""
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
+    for e in effects.entries():
+        if e.get("key") == key:
+            by_epoch.setdefault(int(e["epoch"]), []).append(e)
+    return [by_epoch[k] for k in sorted(by_epoch)]
+
+
+def _assert_no_overlap(effects: EffectLog, key: str) -> list[list[dict[str, Any]]]:
+    runs = _executions(effects, key)
+    for earlier, later in itertools.pairwise(runs):
+        assert earlier[-1]["ts"] <= later[0]["ts"], (
+            f"executions of {key} overlap: epoch {earlier[0]['epoch']} (pid "
+            f"{earlier[0]['pid']}) wrote at {earlier[-1]['ts']:.3f}, after epoch "
+            f"{later[0]['epoch']} (pid {later[0]['pid']}) started at {later[0]['ts']:.3f}")
+    return runs
+
+
+def _steps(effects: EffectLog, key: str) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for e in effects.entries("step"):
+        if e["key"] == key:
+            counts[e["i"]] = counts.get(e["i"], 0) + 1
+    return counts
+
+
+def _running_on(effects: EffectLog, key: str, *workers: LocalWorker) -> LocalWorker:
+    pid = _executions(effects, key)[-1][0]["pid"]
+    return wait_for(lambda: next((w for w in workers if pid in w.process.children()), None),
+                    10, f"the worker whose pool runs pid {pid}")
+
+
+def _stopped_within(worker: LocalWorker, seconds: float) -> float:
+    started = time.monotonic()
+    worker.process.kill("SIGTERM", group=False)  # what a deploy or Kubernetes sends
+    wait_for(lambda: worker.process.status == "exited", seconds,
+             f"{worker.worker_name} to exit within {seconds:.0f}s of SIGTERM")
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("broker_url", ["redis", "rabbitmq"], indirect=True)
+def test_sigterm_hands_running_work_to_another_worker(make_project: Callable[..., Project],
+                                                      broker_url: str,
+                                                      effect_log: EffectLog) -> None:
+    """Two workers, a 60 s task checkpointing every 0.25 s, SIGTERM to the one running it."""
+    project = make_project(broker_url)
+    first, second = _worker(project, "w1"), _worker(project, "w2")
+    client = _client(project)
+    steps, delay = 240, 0.25
+    key = _send(client, steps, delay)
+    wait_for(lambda: sum(_steps(effect_log, key).values()) >= 8, 60, "8 steps")
+    stopping = _running_on(effect_log, key, first, second)
+    staying = second if stopping is first else first
+
+    took = _stopped_within(stopping, 10)
+    wait_for(lambda: len(_executions(effect_log, key)) >= 2, 10,
+             "the other worker to resume the work")
+    assert client.AsyncResult(key).get(timeout=120) == {"steps": steps}
+
+    runs = _assert_no_overlap(effect_log, key)
+    assert len(runs) == 2, [r[0] for r in runs]
+    handed_at = runs[1][0]["at"]
+    assert handed_at >= 8, f"the second execution started at step {handed_at}, not the checkpoint"
+    assert runs[1][0]["ts"] - runs[0][-1]["ts"] < 5, "the hand-off took more than a few seconds"
+    assert runs[1][0]["pid"] in staying.process.children()
+    assert _steps(effect_log, key) == {i: 1 for i in range(steps)}, "a step ran twice or never"
+    row = project.store.get_work(key)
+    assert row is not None and (row.state, row.deaths, row.attempts) == ("done", 0, 2)
+    assert f"handed off work {key}" in stopping.process.all_logs()
+    print(f"stopping worker exited {took:.1f}s after SIGTERM; resumed at step {handed_at}")
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_sigterm_to_a_lone_worker_then_restart_resumes(make_project: Callable[..., Project],
+                                                       broker_url: str,
+                                                       effect_log: EffectLog) -> None:
+    project = make_project(broker_url)
+    worker = _worker(project, "lone")
+    client = _client(project)
+    steps, delay = 120, 0.25
+    key = _send(client, steps, delay)
+    wait_for(lambda: sum(_steps(effect_log, key).values()) >= 8, 60, "8 steps")
+    _stopped_within(worker, 10)
+    row = project.store.get_work(key)
+    assert row is not None and row.state == "requeued", row  # handed back, not running
+
+    worker.restart()
+    assert client.AsyncResult(key).get(timeout=120) == {"steps": steps}
+    runs = _assert_no_overlap(effect_log, key)
+    assert len(runs) == 2 and runs[1][0]["at"] >= 8
+    assert _steps(effect_log, key) == {i: 1 for i in range(steps)}
+    row = project.store.get_work(key)
+    assert row is not None and (row.state, row.deaths) == ("done", 0)
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_two_live_workers_with_one_node_name_never_take_each_others_work(
+        make_project: Callable[..., Project], broker_url: str, effect_log: EffectLog) -> None:
+    """`celery worker -n same@%h` twice (two workers on one host without -n, host-network
+    containers): each sweeps every 0.5 s, and neither may take the other's live claims."""
+    project = make_project(broker_url)
+    project.extra = {"resilient_sweep_interval": 0.5, "resilient_heartbeat_interval": 1,
+                     "resilient_lease_seconds": 6}
+    first = _worker(project, "same-1", node="same@%h")
+    second = _worker(project, "same-2", node="same@%h")
+    client = _client(project)
+    steps, delay = 60, 0.25  # 15 s each: 30 sweeps per worker, 2.5 leases
+    keys = [_send(client, steps, delay) for _ in range(2)]
+    for key in keys:
+        assert client.AsyncResult(key).get(timeout=120) == {"steps": steps}
+    for key in keys:
+        runs = _assert_no_overlap(effect_log, key)
+        assert len(runs) == 1, f"{key} started {len(runs)} times"
+        assert _steps(effect_log, key) == {i: 1 for i in range(steps)}
+        row = project.store.get_work(key)
+        assert row is not None and (row.state, row.deaths, row.republished) == ("done", 0, 0)
+    logs = first.process.all_logs() + second.process.all_logs()
+    assert "ANOTHER LIVE WORKER USES THE NODE NAME" in logs
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_store_outage_longer_than_the_lease_takes_no_live_claim(
+        make_project: Callable[..., Project], broker_url: str,
+        throwaway_pg: ThrowawayPostgres, effect_log: EffectLog) -> None:
+    """PostgreSQL stopped for twice the lease while tasks run on two workers, then started:
+    no sweep takes a claim its owner still holds (every owner gets a lease of grace).
+
+    Worker "a" sweeps every 0.5 s; worker "b" renews its lease at most every 1.5 s while the
+    store is down, so "a" reaches the store first and sees "b"'s lease long expired."""
+    project = make_project(broker_url, throwaway_pg.url)
+    project.extra = {"resilient_sweep_interval": 0.5, "resilient_heartbeat_interval": 1,
+                     "resilient_lease_seconds": 6, "resilient_store_retry_base": 0.5,
+                     "resilient_store_retry_max": 1}
+    workers = [_worker(project, "a"), _worker(project, "b", resilient_heartbeat_interval=3)]
+    client = _client(project)
+    steps, delay = 60, 0.25
+    keys = [_send(client, steps, delay) for _ in range(2)]
+    wait_for(lambda: all(sum(_steps(effect_log, k).values()) >= 4 for k in keys), 60,
+             "both tasks running")
+    throwaway_pg.stop_immediately()
+    wait_for(lambda: all("maintenance round failed" in w.process.logs() for w in workers), 30,
+             "both workers to see the outage")
+    down_since = time.monotonic()
+    wait_for(lambda: time.monotonic() - down_since > 12, 30, "an outage of twice the lease")
+    throwaway_pg.start()
+    for key in keys:
+        assert client.AsyncResult(key).get(timeout=180) == {"steps": steps}
+    for key in keys:
+        runs = _assert_no_overlap(effect_log, key)
+        counts = _steps(effect_log, key)
+        assert set(counts) == set(range(steps)), f"{key}: steps missing"
+        # A step cut by the outage (its checkpoint not saved) is done again by the copy
+        # that resumes: at most one step per resumed execution, nothing else.
+        again = [i for i, n in counts.items() if n > 1]
+        assert all(counts[i] == 2 for i in again) and len(again) <= len(runs) - 1, counts
+        row = project.store.get_work(key)
+        assert row is not None and row.state == "done"
+    # Checkpoint progress resets the counters: the logs are the witness. A claim taken from
+    # its owner is re-published "was running/reserved"; one whose execution re-sent itself
+    # is let go to requeued, and may be re-published as such (an extra copy that finds it
+    # taken runs nothing; the non-overlap and the step counts above prove it).
+    for w in workers:
+        taken = [line for line in w.process.all_logs().splitlines()
+                 if "released:" in line or re.search(
+                     r"re-published orphaned work \S+ \(was (running|reserved)", line)]
+        assert not taken, f"{w.worker_name} took or released live claims: {taken}"
