@@ -1,0 +1,97 @@
+"""Worker incarnations: the lease keeper, proving predecessors dead, and the grace after an
+outage. Real stores, real processes (a child process stands in for a dead predecessor)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from celery import Celery
+
+from celery_resilient import Resilient, liveness
+from celery_resilient.store.sql import Owner, Store
+from celery_resilient.testing import wait_for
+from celery_resilient.worker import LeaseKeeper, Maintainer, settle_predecessors
+
+from .helpers import owner, run
+
+
+def _runtime(store: Store, **settings: object) -> Resilient:
+    app = Celery(f"inc-{os.getpid()}-{time.monotonic_ns()}", set_as_current=False)
+    app.conf.update(resilient_store_url=store.url, resilient_table_prefix=store.prefix,
+                    **{f"resilient_{k}": v for k, v in settings.items()})
+    return Resilient(app)
+
+
+def _identity_of_an_exited_process() -> str:
+    child = subprocess.Popen([sys.executable, "-c",
+                              "from celery_resilient import liveness;"
+                              "print(liveness.current(), flush=True)"],
+                             stdout=subprocess.PIPE, text=True)
+    out, _ = child.communicate(timeout=30)
+    return out.strip()
+
+
+def test_a_start_proves_a_dead_predecessor_and_warns_about_a_live_namesake(
+        store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    rt = _runtime(store)
+    me = owner("same@host")
+    dead = owner("same@host")
+    store.register(dead, _identity_of_an_exited_process(), 30)
+    alive = owner("same@host")
+    store.register(alive, liveness.current(), 30)  # this very process: provably alive
+    elsewhere = owner("same@host")
+    store.register(elsewhere, "otherhost|boot|ns|1|1|tag", 30)  # cannot be judged from here
+    store.register(me, liveness.current(), 30)
+    with caplog.at_level(logging.INFO, logger="celery_resilient.worker"):
+        settle_predecessors(rt, me)
+    left = {r.incarnation for r in store.other_incarnations(me)}
+    assert left == {alive.incarnation, elsewhere.incarnation}, "only the dead one is stopped"
+    warnings = [r.getMessage() for r in caplog.records
+                if "ANOTHER LIVE WORKER USES THE NODE NAME same@host" in r.getMessage()]
+    assert len(warnings) == 2, caplog.text
+    # The dead predecessor's claims are orphans at once; the live namesakes' are not.
+    run(store, "of-dead", dead)
+    run(store, "of-alive", alive)
+    run(store, "of-elsewhere", elsewhere)
+    assert [o.work_key for o in store.claim_orphans(me, 10, 30)] == ["of-dead"]
+
+
+def test_the_lease_keeper_renews_one_row_on_its_own_connection(store: Store) -> None:
+    rt = _runtime(store, lease_seconds=4, heartbeat_interval=0.2)
+    me = owner("keeper@host")
+    store.register(me, liveness.current(), 4)
+    keeper = LeaseKeeper(rt, me)
+    assert keeper.store is not rt.store  # not behind the maintainer's or a task's pool
+    keeper.start()
+    try:
+        wait_for(lambda: keeper.renewals >= 3, 10, "three renewals")
+        wk = store.t.workers
+        with store.engine.connect() as conn:
+            lease, now = conn.execute(
+                wk.select().with_only_columns(wk.c.lease_expires_at, store.dialect.now())
+                .where(wk.c.incarnation == me.incarnation)).one()
+            conn.rollback()
+        assert lease > now + 3
+        assert keeper.last_failure is None
+    finally:
+        keeper.stop()
+        keeper.join(5)
+    assert not keeper.is_alive()
+
+
+def test_leases_are_not_judged_within_a_lease_of_an_outage(store: Store) -> None:
+    rt = _runtime(store, lease_seconds=30)
+    maint = Maintainer(rt, Owner("m@host", "inc", os.getpid()))
+    assert maint.judge_leases()  # no failure seen, the server has been up for long
+    maint.last_failure = time.monotonic()
+    assert not maint.judge_leases()
+    maint.last_failure = time.monotonic() - 31
+    assert maint.judge_leases()
+    if not store.dialect.is_sqlite:
+        up_for = store.up_for()
+        assert up_for is not None and up_for > 0
