@@ -1,7 +1,10 @@
-"""Chaos soak: real workers SIGKILLed at random while they work, the broker and the store restarted.
+"""Chaos soak: real workers SIGKILLed and deployed at random while they work, the broker and
+the store restarted and taken away for a while.
 
-    python benchmarks/chaos.py --tasks 10000 --workers 4 --kills 100 --seconds 1500   # full
-    python benchmarks/chaos.py --tasks 300 --workers 3 --kills 10 --seconds 240       # CI size
+    python benchmarks/chaos.py --tasks 10000 --workers 4 --kills 100 --deploys 20 \
+        --chaos-seconds 700 --seconds 1500 --visibility-timeout 20                 # full
+    python benchmarks/chaos.py --tasks 300 --workers 3 --kills 10 --deploys 3 \
+        --chaos-seconds 60 --seconds 240 --visibility-timeout 20                   # CI size
 
 Everything it touches is its own: a throwaway ``redis-server`` (append-only file, fsync always)
 on a free port as the broker, a throwaway PostgreSQL cluster (initdb under /tmp, free port) as
@@ -9,11 +12,21 @@ the store, worker processes of ``tests/chaos/chaosproj.py`` in their own process
 machine's own servers are never stopped.
 
 Timeline: tasks (long checkpointing tasks, short tasks, step tasks, ``ledger.atomic`` tasks)
-are submitted at a steady pace during the chaos phase; meanwhile a random worker is SIGKILLed
-every few seconds (its whole process group, then restarted at once or after a pause longer
-than the lease, so other workers take its claims over; or one pool child only), Redis is
-SIGKILLed and restarted once and PostgreSQL is stopped (``-m immediate``) and started once.
-Then every worker is up and the run drains. Bounded: ``--seconds`` is a hard deadline.
+are submitted at a steady pace during the chaos phase; meanwhile, at random times:
+
+- a random worker is SIGKILLed (its whole process group, then restarted at once or after a
+  pause longer than the lease, so other workers take its claims over; or one pool child only);
+- a random worker is deployed (``--deploys``): SIGTERM to its main process only, as a deploy
+  or Kubernetes sends it; its running work hands off at its next checkpoint and it must exit
+  (a deploy longer than 30 s is a violation), then it starts again;
+
+and at fixed points Redis is SIGKILLed and restarted, Redis is down for
+``--broker-outage-seconds`` (a broker outage), PostgreSQL is stopped (``-m immediate``) and
+started at once, and PostgreSQL is down for the lease plus 3 s (a store outage longer than
+the lease: every lease looks expired when it returns). Two of the workers run under one node
+name (``-n same@%h``, ``--same-name``) for the whole run. A worker that exits, or must start
+again while the broker or the store is down, is (re)started as a supervisor would, once both
+answer. Then every worker is up and the run drains. Bounded: ``--seconds`` is a hard deadline.
 
 The invariants are checked from the store and from the effect log (one fsync'd line per effect
 written by the process that did it); any violation exits 1, a deadline overrun exits 2:
@@ -32,17 +45,25 @@ written by the process that did it); any violation exits 1, a deadline overrun e
    twice in one execution; an execution that follows another resumed at that execution's
    last row (the row in flight at the kill, run again) or the one after it, never earlier;
 6. nothing ran after the work was done: no effect line from an epoch above the final epoch,
-   and the finishing execution of a long or short task recorded its start or effect.
+   and the finishing execution of a long or short task recorded its effect;
+7. no two executions of one unit overlap: per work, the lines of each fencing token (its
+   ``start``, effects, checkpoints, ``end``) span an interval, and no two intervals of
+   different tokens intersect. Only a write the store refused (``refused``: the fence at work)
+   may come after the successor started; one token is one pid.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import heapq
 import itertools
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -73,6 +94,8 @@ from tests.chaos import chaosproj  # noqa: E402
 T = TypeVar("T")
 APP = "tests.chaos.chaosproj"
 PREFIX = "chaos_"
+SAME_NAME = "same@%h"
+DEPLOY_LIMIT = 30.0  # seconds from SIGTERM to exit; longer is a violation
 MIX = (("long", 0.2), ("short", 0.5), ("steps", 0.15), ("atomic", 0.15))
 WORKER_SETTINGS = {
     "resilient_lease_seconds": 6, "resilient_heartbeat_interval": 1,
@@ -95,6 +118,26 @@ def wait_for(condition: Callable[[], T], timeout: float, what: str,
         raise TimeoutError(str(exc)) from None
 
 
+def group_gone(worker: LocalWorker, timeout: float) -> None:
+    """Wait until no process of the worker's group is left (its pool drained with it)."""
+    pgid = worker.process.pid
+
+    def gone() -> bool:
+        try:
+            os.killpg(pgid, 0) if pgid else None
+        except ProcessLookupError:
+            return True
+        return pgid is None
+
+    try:
+        wait_for(gone, timeout, f"process group of {worker.worker_name} to exit")
+    except TimeoutError:
+        log(f"{worker.worker_name}: pool processes outlived the main process; SIGKILL them")
+        if pgid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -109,6 +152,18 @@ class Figures:
     unplanned_exits: int = 0
     redis_restarts: int = 0
     pg_restarts: int = 0
+    deploys: int = 0
+    deploy_exit_max_seconds: float = 0.0
+    deploy_exit_seconds: list[float] = field(default_factory=list)
+    handed_off: int = 0
+    same_name_workers: int = 0
+    same_name_warnings: int = 0
+    store_outages: int = 0
+    store_outage_seconds: float = 0.0
+    broker_outages: int = 0
+    broker_outage_seconds: float = 0.0
+    overlaps: int = 0
+    fenced_writes: int = 0
     chaos_seconds: float = 0.0
     drain_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -134,6 +189,10 @@ class Chaos:
         self.queue = f"chaos-{uuid.uuid4().hex[:8]}"
         self.workers: list[LocalWorker] = []
         self.down_until: dict[int, float] = {}
+        self.stopping: dict[int, float] = {}  # deploys under way: worker -> SIGTERM time
+        self.outages: set[str] = set()  # "broker" and/or "store" while taken away
+        self.events: list[tuple[float, int, str]] = []  # (seconds into the phase, n, what)
+        self.counter = itertools.count()
         self.figures = Figures(tasks=args.tasks, workers=args.workers)
         self.plan: list[tuple[str, str, tuple[Any, ...]]] = []  # (task_id, kind, args)
         self.sent = 0
@@ -175,13 +234,21 @@ class Chaos:
             else:
                 a = (0.02,)
             self.plan.append((f"chaos-{i:05d}-{kind}", kind, a))
+        same = min(self.args.same_name, self.args.workers)
         for i in range(self.args.workers):
+            # The first --same-name workers share one node name (two workers on one host
+            # without -n, host-network containers): neither may take the other's live claims.
+            extra = ("-n", SAME_NAME) if i < same else ()
             worker = LocalWorker(APP, self.dir / "logs", name=f"w{i}",
                                  concurrency=self.args.concurrency, queues=(self.queue,),
-                                 env=self.env(), cwd=str(ROOT))
+                                 env=self.env(), cwd=str(ROOT), extra_args=extra)
+            if extra:
+                worker.node_name = SAME_NAME  # the last -n wins; hostname() reports it
             self.workers.append(worker.start())
-        log(f"{self.args.workers} workers up; broker {self.redis.url}, store "
-            f"127.0.0.1:{self.pg.port}, logs in {self.dir}")
+        self.figures.same_name_workers = same if same > 1 else 0
+        log(f"{self.args.workers} workers up ({same if same > 1 else 'none'} named "
+            f"{SAME_NAME}); broker {self.redis.url}, store 127.0.0.1:{self.pg.port}, "
+            f"logs in {self.dir}")
 
     # -- submission (own thread, own client) ------------------------------------------------
 
@@ -215,11 +282,13 @@ class Chaos:
     def running_on(self, worker: LocalWorker, pid: int | None = None) -> int:
         """How many claims the store shows running on this worker (or pool process)."""
         assert self.store is not None
+        if "store" in self.outages:
+            return 0
         w = self.store.t.work
+        pids = [pid] if pid is not None else worker.process.children()
         q = select(w.c.work_key).where(w.c.state == "running",
-                                       w.c.owner_node == worker.hostname())
-        if pid is not None:
-            q = q.where(w.c.owner_pid == pid)
+                                       w.c.owner_node == worker.hostname(),
+                                       w.c.owner_pid.in_(pids))  # one of a same-name pair
         try:
             with self.store.engine.connect() as conn:
                 n = len(conn.execute(q).all())
@@ -228,8 +297,13 @@ class Chaos:
             return 0
         return n
 
+    def up(self) -> list[int]:
+        """Workers running and not being deployed."""
+        return [i for i, w in enumerate(self.workers)
+                if w.process.status == "running" and i not in self.stopping]
+
     def kill_one(self) -> None:
-        up = [i for i, w in enumerate(self.workers) if w.process.status == "running"]
+        up = self.up()
         if not up:
             return
         i = self.rng.choice(up)
@@ -258,7 +332,42 @@ class Chaos:
         log(f"SIGKILL w{i} (group); restart now")
         self.restart(i)
 
+    def deploy_one(self) -> None:
+        """SIGTERM to one worker's main process only; ``restart_due`` starts it after exit."""
+        up = self.up()
+        if not up:
+            return
+        i = self.rng.choice(up)
+        busy = self.running_on(self.workers[i])
+        self.workers[i].process.kill("SIGTERM", group=False)
+        self.stopping[i] = time.monotonic()
+        self.figures.deploys += 1
+        log(f"deploy w{i}: SIGTERM to its main process ({busy} task(s) running)")
+
+    def deploy_done(self, i: int, now: float) -> None:
+        """A deploy's worker exited (or overstayed): record the time, start it again."""
+        worker = self.workers[i]
+        took = round(now - self.stopping[i], 2)
+        if worker.process.status == "running":  # overstayed DEPLOY_LIMIT
+            tail = worker.process.logs().strip().splitlines()[-3:]
+            self.figures.violations.append(
+                f"deploy of w{i} did not exit within {DEPLOY_LIMIT:.0f}s of SIGTERM; last "
+                f"lines: {tail}")
+            log(f"deploy w{i}: still running after {took}s; SIGKILL")
+            worker.kill("SIGKILL")
+        else:
+            group_gone(worker, 5)
+        del self.stopping[i]
+        self.figures.deploy_exit_seconds.append(took)
+        self.figures.deploy_exit_max_seconds = max(self.figures.deploy_exit_max_seconds, took)
+        log(f"deploy w{i}: exited {took}s after SIGTERM; starting it again")
+        self.restart(i)
+
     def restart(self, i: int) -> None:
+        if self.outages:  # a supervisor's next try: once the broker and the store answer
+            self.down_until[i] = 0.0
+            log(f"w{i} starts once {' and '.join(sorted(self.outages))} answer(s) again")
+            return
         self.down_until.pop(i, None)
         worker = self.workers[i]
         for attempt in range(5):
@@ -271,25 +380,70 @@ class Chaos:
         raise RuntimeError(f"worker w{i} does not start")
 
     def restart_due(self) -> None:
-        """Restart paused workers whose time came, and (as a supervisor would) any that exited."""
+        """Restart paused workers whose time came, deployed workers that exited, and (as a
+        supervisor would) any that exited on their own."""
         now = time.monotonic()
+        for i, since in list(self.stopping.items()):
+            if self.workers[i].process.status == "exited" or now - since > DEPLOY_LIMIT:
+                self.deploy_done(i, now)
+        if self.outages:
+            return
         for i, until in list(self.down_until.items()):
             if until <= now:
                 self.restart(i)
         for i, worker in enumerate(self.workers):
-            if i not in self.down_until and worker.process.status == "exited":
+            if (i not in self.down_until and i not in self.stopping
+                    and worker.process.status == "exited"):
                 self.figures.unplanned_exits += 1
                 tail = worker.process.logs().strip().splitlines()[-1:] or ["(no log)"]
                 log(f"w{i} exited on its own; supervisor restarts it. Last line: {tail[0][:200]}")
                 self.restart(i)
 
     def restart_redis(self) -> None:
+        if "broker" in self.outages:  # the outage is still on: restart it afterwards
+            self.schedule(1.0, "redis")
+            return
         log("SIGKILL redis-server; restarting it")
         self.redis.kill()
         self.redis.start()
         self.figures.redis_restarts += 1
 
+    def broker_down(self) -> None:
+        log(f"broker outage: SIGKILL redis-server for {self.args.broker_outage_seconds:.0f}s")
+        self.redis.kill()
+        self.outages.add("broker")
+        self.broker_since = time.monotonic()
+        self.figures.broker_outages += 1
+        self.schedule(self.args.broker_outage_seconds, "broker_up")
+
+    def broker_up(self) -> None:
+        self.redis.start()
+        self.outages.discard("broker")
+        took = round(time.monotonic() - self.broker_since, 1)
+        self.figures.broker_outage_seconds = max(self.figures.broker_outage_seconds, took)
+        log(f"broker outage over ({took}s)")
+
+    def store_down(self) -> None:
+        seconds = WORKER_SETTINGS["resilient_lease_seconds"] + 3
+        log(f"store outage: PostgreSQL stopped (-m immediate) for {seconds}s, longer than "
+            f"the lease ({WORKER_SETTINGS['resilient_lease_seconds']}s)")
+        self.pg.stop_immediately()
+        self.outages.add("store")
+        self.store_since = time.monotonic()
+        self.figures.store_outages += 1
+        self.schedule(seconds, "store_up")
+
+    def store_up(self) -> None:
+        self.pg.start()
+        self.outages.discard("store")
+        took = round(time.monotonic() - self.store_since, 1)
+        self.figures.store_outage_seconds = max(self.figures.store_outage_seconds, took)
+        log(f"store outage over ({took}s)")
+
     def restart_pg(self) -> None:
+        if "store" in self.outages:  # the long outage is still on: restart it afterwards
+            self.schedule(1.0, "pg")
+            return
         log("stopping PostgreSQL (-m immediate)")
         self.pg.stop_immediately()
         try:
@@ -302,27 +456,46 @@ class Chaos:
         self.figures.pg_restarts += 1
         log("PostgreSQL is back")
 
+    def schedule(self, after: float, what: str) -> None:
+        """An event ``after`` seconds from now (outages schedule their own end)."""
+        at = time.monotonic() - self.phase_start + after
+        heapq.heappush(self.events, (at, next(self.counter), what))
+
     def run_chaos(self) -> None:
         a = self.args
         chaos_seconds = a.chaos_seconds or max(30.0, a.kills * 4.0)
         sender = threading.Thread(target=self.submit, args=(chaos_seconds,), daemon=True)
-        start = time.monotonic()
+        self.phase_start = start = time.monotonic()
         sender.start()
-        events: list[tuple[float, str]] = sorted(
-            [(self.rng.uniform(0.05, 0.95) * chaos_seconds, "kill") for _ in range(a.kills)]
-            + [((0.35 + 0.1 * n) * chaos_seconds, "redis") for n in range(a.redis_restarts)]
-            + [((0.65 + 0.1 * n) * chaos_seconds, "pg") for n in range(a.pg_restarts)])
-        for at, what in events:
+        planned = (
+            [(self.rng.uniform(0.05, 0.95), "kill") for _ in range(a.kills)]
+            + [(self.rng.uniform(0.05, 0.9), "deploy") for _ in range(a.deploys)]
+            + [(0.15 + 0.1 * n, "broker_down") for n in range(a.broker_outages)]
+            + [(0.35 + 0.1 * n, "redis") for n in range(a.redis_restarts)]
+            + [(0.45 + 0.1 * n, "store_down") for n in range(a.store_outages)]
+            + [(0.8 + 0.05 * n, "pg") for n in range(a.pg_restarts)])
+        for frac, what in planned:
+            heapq.heappush(self.events, (frac * chaos_seconds, next(self.counter), what))
+        actions = {"kill": self.kill_one, "deploy": self.deploy_one, "redis": self.restart_redis,
+                   "pg": self.restart_pg, "broker_down": self.broker_down,
+                   "broker_up": self.broker_up, "store_down": self.store_down,
+                   "store_up": self.store_up}
+        while self.events:
+            at, _, what = heapq.heappop(self.events)
             while time.monotonic() - start < at:
                 self.restart_due()
                 self.check_deadline()
                 time.sleep(0.05)  # the chaos clock
-            {"kill": self.kill_one, "redis": self.restart_redis, "pg": self.restart_pg}[what]()
+            actions[what]()
         sender.join(timeout=max(1.0, self.deadline - time.monotonic()))
         if self.send_error is not None:
             raise RuntimeError(f"submission failed: {self.send_error}")
         if sender.is_alive():
             raise TimeoutError("submission did not finish before the deadline")
+        while self.stopping:
+            self.restart_due()
+            self.check_deadline()
+            time.sleep(0.05)
         for i in list(self.down_until):
             self.restart(i)
         self.figures.chaos_seconds = round(time.monotonic() - start, 1)
@@ -399,6 +572,45 @@ class Chaos:
             if row is not None and row.state == "done":
                 bad += self._check_work(key, kind, a, row, by_key.get(key, []), steps, ledger,
                                         checkpoints, applied)
+            bad += self._check_overlap(key, by_key.get(key, []))
+        logs = "".join(w.process.all_logs() for w in self.workers)
+        f.handed_off = len(re.findall(r"handed off work \S+ at epoch", logs))
+        f.same_name_warnings = logs.count("ANOTHER LIVE WORKER USES THE NODE NAME")
+        return bad
+
+    def _check_overlap(self, key: str, entries: list[dict[str, Any]]) -> list[str]:
+        """7. No two executions of one unit overlap in time.
+
+        Each fencing token's lines span [first, last]; a ``refused`` write (the store's fence
+        turning a superseded execution away) is left out of the span: it is the one line
+        allowed after the successor started. Everything else (an effect outside the store, a
+        committed checkpoint, ``end``) means the execution was still running.
+        """
+        bad: list[str] = []
+        spans: dict[int, list[Any]] = {}  # token -> [first ts, last ts, pid, last line]
+        pids: dict[int, set[int]] = defaultdict(set)
+        for e in entries:
+            token = int(e["epoch"])
+            pids[token].add(int(e["pid"]))
+            if e["effect"] == "refused":
+                self.figures.fenced_writes += 1
+                continue
+            span = spans.setdefault(token, [e["ts"], e["ts"], e["pid"], e])
+            if e["ts"] >= span[1]:
+                span[1], span[3] = e["ts"], e
+            span[0] = min(span[0], e["ts"])
+        for token, seen in pids.items():
+            if len(seen) > 1:
+                bad.append(f"{key}: fencing token {token} ran in {len(seen)} processes "
+                           f"{sorted(seen)}")
+        ordered = sorted(spans.items(), key=lambda kv: kv[1][0])
+        for n, (later, (start, _, pid, _)) in enumerate(ordered):
+            for earlier, (_, end, epid, last) in ordered[:n]:
+                if start < end:
+                    self.figures.overlaps += 1
+                    bad.append(f"{key}: executions overlap: token {earlier} (pid {epid}) "
+                               f"wrote {last['effect']!r} at {end:.3f}, {end - start:.3f}s "
+                               f"after token {later} (pid {pid}) started at {start:.3f}")
         return bad
 
     def _check_work(self, key: str, kind: str, a: tuple[Any, ...], row: Any,
@@ -412,7 +624,10 @@ class Chaos:
         late = [e for e in entries if int(e["epoch"]) > final]
         if late:
             bad.append(f"{key}: effects from epochs after the final epoch {final}: {late[:3]}")
-        if kind in ("long", "short") and not any(int(e["epoch"]) == final for e in entries):
+        # (a long task handed off after its last row resumes with nothing left but to finish)
+        shown = {"long": ("start", "cp"), "short": ("short",)}.get(kind, ())
+        if shown and not any(int(e["epoch"]) == final and e["effect"] in shown
+                             for e in entries):
             bad.append(f"{key}: the finishing epoch {final} recorded no effect")
         if kind == "long":
             bad += self._check_long(key, a[0], entries, row, steps, ledger, checkpoints)
@@ -561,6 +776,13 @@ class Chaos:
               f": {f.kills_group} group SIGKILLs ({f.delayed_restarts} restarted after the "
               f"lease), {f.kills_child} pool-child SIGKILLs, {f.redis_restarts} Redis and "
               f"{f.pg_restarts} PostgreSQL restarts; {f.kills_mid_task} kills hit running work")
+        print(f"{f.deploys} deploys (SIGTERM, exit in at most {f.deploy_exit_max_seconds}s; "
+              f"{f.handed_off} executions handed off), {f.same_name_workers} workers under one "
+              f"node name ({f.same_name_warnings} warnings logged), {f.broker_outages} broker "
+              f"outage(s) of {f.broker_outage_seconds}s, {f.store_outages} store outage(s) of "
+              f"{f.store_outage_seconds}s (lease {WORKER_SETTINGS['resilient_lease_seconds']}s)")
+        print(f"overlapping executions {f.overlaps}; writes refused by the fence "
+              f"{f.fenced_writes}")
         if f.unplanned_exits:
             print(f"{f.unplanned_exits} worker exit(s) nobody asked for (restarted as a "
                   "supervisor would; see docs/reliability.md)")
@@ -589,6 +811,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="length of the chaos phase (default: 4 s per kill, at least 30 s)")
     p.add_argument("--redis-restarts", type=int, default=1)
     p.add_argument("--pg-restarts", type=int, default=1)
+    p.add_argument("--deploys", type=int, default=None,
+                   help="SIGTERMs to a worker's main process, then a start (default: kills/5)")
+    p.add_argument("--same-name", type=int, default=2,
+                   help="how many workers share one node name (-n same@%%h); 0 or 1: none")
+    p.add_argument("--broker-outages", type=int, default=1)
+    p.add_argument("--broker-outage-seconds", type=float, default=6.0)
+    p.add_argument("--store-outages", type=int, default=1,
+                   help="PostgreSQL stopped for the lease + 3 s")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--keep", action="store_true", help="keep logs and effect log")
     p.add_argument("--visibility-timeout", type=float, default=0,
@@ -599,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="without resilient_durable_submit: a message a worker fetched but "
                    "never recorded waits for the broker's own redelivery (Redis: 1 hour)")
     args = p.parse_args(argv)
+    if args.deploys is None:
+        args.deploys = max(1, args.kills // 5)
     if args.seed is None:
         args.seed = random.randrange(1_000_000)
     log(f"seed {args.seed}")

@@ -99,7 +99,7 @@ def unrecoverable(rt: Resilient, orphan: Orphan, why: str, extra: Mapping[str, o
         return
     reason = f"its owner died and it cannot be re-published: {why}"
     try:
-        ended = rt.store.end_request(orphan.task_id, DEAD, reason)
+        ended = rt.store.park_unsendable(orphan.work_key, reason)
     except ResilientError as exc:  # the store went away: the next sweep ends it
         log.warning("could not end unrecoverable work %s: %s", orphan.work_key, exc,
                     extra={**extra, "action": "unrecoverable"})

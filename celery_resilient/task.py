@@ -197,6 +197,10 @@ class ResumableTask(Task):  # type: ignore[misc]
             raise WorkDead(f"work {work_key!r} is dead: {outcome.reason}")
         assert outcome.claim is not None
         claim = outcome.claim
+        if handoff.requested() and not req.is_eager:
+            # Taken on a worker that is shutting down warm: hand it on before the body runs.
+            self._hand_off(rt, claim.epoch, ctx)
+            raise Ignore()
         req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
                                             claim.attempts, can_hand_off=not req.is_eager)
         req.resilient_checkpoint = None

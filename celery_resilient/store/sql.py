@@ -1012,6 +1012,19 @@ class Store:
         return orphans
 
     @guarded
+    def park_unsendable(self, work_key: str, reason: str) -> bool:
+        """End requeued work whose stored message cannot be sent (``dead``, with the reason).
+
+        Only while it is still ``requeued``: a delivery of its own that took it meanwhile
+        (the broker's copy) keeps running. Returns whether it was parked.
+        """
+        w = self.t.work
+        with self.begin() as conn:
+            return bool(conn.execute(
+                update(w).where(w.c.work_key == work_key, w.c.state == REQUEUED)
+                .values(**self.ended(DEAD, reason))).rowcount)
+
+    @guarded
     def unsend(self, work_keys: Sequence[str], hold_seconds: float) -> None:
         """Orphans claimed for re-publishing that could not be sent (broker down): they do
         not count as re-published, and wait ``hold_seconds`` for the next sweep."""
