@@ -97,12 +97,20 @@ PREFIX = "chaos_"
 SAME_NAME = "same@%h"
 DEPLOY_LIMIT = 30.0  # seconds from SIGTERM to exit; longer is a violation
 MIX = (("long", 0.2), ("short", 0.5), ("steps", 0.15), ("atomic", 0.15))
+LEASE = 6  # a short lease, so a store outage longer than it fits in the soak
 WORKER_SETTINGS = {
-    "resilient_lease_seconds": 6, "resilient_heartbeat_interval": 1,
+    "resilient_lease_seconds": LEASE, "resilient_heartbeat_interval": 1,
     "resilient_sweep_interval": 1, "resilient_max_attempts": 1000,
     "resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2,
     "resilient_durable_submit": True, "resilient_submit_timeout": 30,
 }
+STORE_OUTAGE = LEASE + 3  # seconds PostgreSQL stays down: every lease looks expired after it
+#: "quiet" work (the long task, one row of QUIET_ROW seconds) is sent right before each store
+#: outage: its row spans the whole outage without touching the store, so its claim, under a
+#: lease that looks expired when the store returns, must survive the sweeps that follow.
+QUIET_PER_OUTAGE = 2
+QUIET_ROW = STORE_OUTAGE + 5
+TASK_OF = {"quiet": "long"}
 
 
 def log(message: str) -> None:
@@ -138,6 +146,55 @@ def group_gone(worker: LocalWorker, timeout: float) -> None:
                 os.killpg(pgid, signal.SIGKILL)
 
 
+def overlaps(key: str, entries: list[dict[str, Any]]) -> tuple[list[str], int]:
+    """Invariant 7: no two executions of one unit overlap in time (and one token, one pid).
+
+    Each fencing token's lines span [first ts, last ts]; a ``refused`` write (the store's fence
+    turning a superseded execution away) is left out of its span: it is the one line allowed
+    after the successor started. Everything else (``start``, an effect outside the store, a
+    committed checkpoint, ``end``) means the execution was still running. Returns the
+    violations and the number of refused writes.
+    """
+    bad: list[str] = []
+    refused = 0
+    spans: dict[int, tuple[float, float, dict[str, Any]]] = {}  # token -> first, last, line
+    pids: dict[int, set[int]] = defaultdict(set)
+    for e in entries:
+        token = int(e["epoch"])
+        pids[token].add(int(e["pid"]))
+        if e["effect"] == "refused":
+            refused += 1
+            continue
+        first, last, line = spans.get(token, (e["ts"], e["ts"], e))
+        spans[token] = (min(first, e["ts"]), *((e["ts"], e) if e["ts"] >= last else (last, line)))
+    for token, seen in sorted(pids.items()):
+        if len(seen) > 1:
+            bad.append(f"{key}: fencing token {token} ran in {len(seen)} processes "
+                       f"{sorted(seen)}")
+    ordered = sorted(spans.items(), key=lambda kv: kv[1][0])
+    for n, (later, (start, _, first_line)) in enumerate(ordered):
+        for earlier, (_, end, line) in ordered[:n]:
+            if start < end:
+                bad.append(f"{key}: executions overlap: token {earlier} (pid {line['pid']}) "
+                           f"wrote {line['effect']!r} at {end:.3f}, {end - start:.3f}s after "
+                           f"token {later} (pid {first_line['pid']}) started at {start:.3f}")
+    return bad, refused
+
+
+def quiet_through(entries: list[dict[str, Any]], outages: list[list[float]]) -> int:
+    """Executions that ran a row across a whole store outage and recorded it afterwards: alive
+    all along, lease unrenewed, so the sweeps after the outage had to leave their claim be."""
+    last: dict[int, float] = {}
+    found: set[int] = set()
+    for e in entries:
+        token = int(e["epoch"])
+        if e["effect"] == "row" and token in last and any(
+                last[token] < down and e["ts"] > up for down, up in outages):
+            found.add(token)
+        last[token] = e["ts"]
+    return len(found)
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -153,6 +210,7 @@ class Figures:
     redis_restarts: int = 0
     pg_restarts: int = 0
     deploys: int = 0
+    deploys_mid_task: int = 0
     deploy_exit_max_seconds: float = 0.0
     deploy_exit_seconds: list[float] = field(default_factory=list)
     handed_off: int = 0
@@ -163,6 +221,7 @@ class Figures:
     broker_outages: int = 0
     broker_outage_seconds: float = 0.0
     overlaps: int = 0
+    quiet_through_store_outage: int = 0
     fenced_writes: int = 0
     chaos_seconds: float = 0.0
     drain_seconds: float = 0.0
@@ -190,6 +249,11 @@ class Chaos:
         self.workers: list[LocalWorker] = []
         self.down_until: dict[int, float] = {}
         self.stopping: dict[int, float] = {}  # deploys under way: worker -> SIGTERM time
+        self.exited_at: dict[int, float] = {}  # deploys: when the main process exited
+        self.store_down_wall: list[list[float]] = []  # store outages, wall clock
+        self.quiet: dict[int, list[tuple[str, str, tuple[Any, ...]]]] = {}  # outage -> work
+        self.held: set[str] = set()  # quiet work: sent by its outage, not by the submitter
+        self.protected: tuple[set[int], float] = (set(), 0.0)  # pids kept alive, until
         self.outages: set[str] = set()  # "broker" and/or "store" while taken away
         self.events: list[tuple[float, int, str]] = []  # (seconds into the phase, n, what)
         self.counter = itertools.count()
@@ -202,7 +266,7 @@ class Chaos:
     # -- setup -------------------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
-        settings = dict(WORKER_SETTINGS)
+        settings: dict[str, Any] = dict(WORKER_SETTINGS)
         if self.args.no_durable_submit:
             settings["resilient_durable_submit"] = False
         if self.args.visibility_timeout:
@@ -234,6 +298,13 @@ class Chaos:
             else:
                 a = (0.02,)
             self.plan.append((f"chaos-{i:05d}-{kind}", kind, a))
+        # the quiet work of each store outage takes the place of random planned tasks
+        spots = self.rng.sample(range(self.args.tasks),
+                                min(self.args.tasks, QUIET_PER_OUTAGE * self.args.store_outages))
+        for n, i in enumerate(spots):
+            self.plan[i] = (f"chaos-{i:05d}-quiet", "quiet", (1, QUIET_ROW))
+            self.quiet.setdefault(n // QUIET_PER_OUTAGE, []).append(self.plan[i])
+        self.held = {task_id for group in self.quiet.values() for task_id, _, _ in group}
         same = min(self.args.same_name, self.args.workers)
         for i in range(self.args.workers):
             # The first --same-name workers share one node name (two workers on one host
@@ -260,22 +331,27 @@ class Chaos:
                 due = start + chaos_seconds * 0.9 * n / max(1, len(self.plan))
                 if due > time.monotonic():
                     time.sleep(due - time.monotonic())  # pacing, not waiting on a condition
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        # apply_async on the task class: durable submit records it first
-                        client.tasks[f"chaos.{kind}"].apply_async(
-                            a, task_id=task_id, queue=self.queue, retry=False)
-                        break
-                    except Exception as exc:  # broker or store restarting: submit again
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"could not publish {task_id}: {exc}") from exc
-                        time.sleep(0.2)
+                if task_id not in self.held:
+                    self.send(client, task_id, kind, a, 60)
                 self.sent = n + 1
         except BaseException as exc:
             self.send_error = exc
         finally:
             client.close()
+
+    def send(self, client: Any, task_id: str, kind: str, a: tuple[Any, ...],
+             patience: float) -> None:
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                # apply_async on the task class: durable submit records it first
+                client.tasks[f"chaos.{TASK_OF.get(kind, kind)}"].apply_async(
+                    a, task_id=task_id, queue=self.queue, retry=False)
+                return
+            except Exception as exc:  # broker or store restarting: submit again
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"could not publish {task_id}: {exc}") from exc
+                time.sleep(0.2)
 
     # -- chaos -------------------------------------------------------------------------------
 
@@ -298,13 +374,18 @@ class Chaos:
         return n
 
     def up(self) -> list[int]:
-        """Workers running and not being deployed."""
+        """Workers running and not being deployed, nor running quiet work through a store
+        outage (a kill there would prove nothing about the outage)."""
+        pids, until = self.protected
+        guarded = pids if time.monotonic() < until else set()
         return [i for i, w in enumerate(self.workers)
-                if w.process.status == "running" and i not in self.stopping]
+                if w.process.status == "running" and i not in self.stopping
+                and not guarded.intersection(w.process.children())]
 
     def kill_one(self) -> None:
         up = self.up()
-        if not up:
+        if not up:  # every worker is down, being deployed or spared: kill a little later
+            self.schedule(1.0, "kill")
             return
         i = self.rng.choice(up)
         worker = self.workers[i]
@@ -324,7 +405,7 @@ class Chaos:
         self.figures.kills_mid_task += bool(busy)
         log(f"  w{i} had {busy} task(s) running")
         if self.rng.random() < 0.25 and len(up) > 1:
-            pause = WORKER_SETTINGS["resilient_lease_seconds"] + 2
+            pause = LEASE + 2
             self.down_until[i] = time.monotonic() + pause
             self.figures.delayed_restarts += 1
             log(f"SIGKILL w{i} (group); restart in {pause}s (others take over its claims)")
@@ -333,27 +414,42 @@ class Chaos:
         self.restart(i)
 
     def deploy_one(self) -> None:
-        """SIGTERM to one worker's main process only; ``restart_due`` starts it after exit."""
+        """SIGTERM to one worker's main process only; ``restart_due`` starts it after exit.
+
+        A worker with running work is preferred: its work must hand off for it to exit fast."""
         up = self.up()
         if not up:
+            self.schedule(1.0, "deploy")
             return
-        i = self.rng.choice(up)
-        busy = self.running_on(self.workers[i])
+        running = {i: self.running_on(self.workers[i]) for i in up}
+        i = self.rng.choice([i for i in up if running[i]] or up)
+        busy = running[i]
+        proc = self.workers[i].process.proc
+        assert proc is not None
+        self.exited_at.pop(i, None)
         self.workers[i].process.kill("SIGTERM", group=False)
         self.stopping[i] = time.monotonic()
+
+        def watch() -> None:  # the exit time, exact even while the chaos loop is busy
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=DEPLOY_LIMIT + 60)
+                self.exited_at[i] = time.monotonic()
+
+        threading.Thread(target=watch, daemon=True, name=f"deploy-w{i}").start()
         self.figures.deploys += 1
+        self.figures.deploys_mid_task += bool(busy)
         log(f"deploy w{i}: SIGTERM to its main process ({busy} task(s) running)")
 
     def deploy_done(self, i: int, now: float) -> None:
         """A deploy's worker exited (or overstayed): record the time, start it again."""
         worker = self.workers[i]
-        took = round(now - self.stopping[i], 2)
-        if worker.process.status == "running":  # overstayed DEPLOY_LIMIT
+        took = round(self.exited_at.get(i, now) - self.stopping[i], 2)
+        if worker.process.status == "running" or took > DEPLOY_LIMIT:
             tail = worker.process.logs().strip().splitlines()[-3:]
             self.figures.violations.append(
                 f"deploy of w{i} did not exit within {DEPLOY_LIMIT:.0f}s of SIGTERM; last "
                 f"lines: {tail}")
-            log(f"deploy w{i}: still running after {took}s; SIGKILL")
+            log(f"deploy w{i}: ran {took}s after SIGTERM; SIGKILL")
             worker.kill("SIGKILL")
         else:
             group_gone(worker, 5)
@@ -384,7 +480,7 @@ class Chaos:
         supervisor would) any that exited on their own."""
         now = time.monotonic()
         for i, since in list(self.stopping.items()):
-            if self.workers[i].process.status == "exited" or now - since > DEPLOY_LIMIT:
+            if i in self.exited_at or now - since > DEPLOY_LIMIT:
                 self.deploy_done(i, now)
         if self.outages:
             return
@@ -423,18 +519,50 @@ class Chaos:
         self.figures.broker_outage_seconds = max(self.figures.broker_outage_seconds, took)
         log(f"broker outage over ({took}s)")
 
+    def start_quiet_work(self, outage: int) -> None:
+        """Send this outage's quiet work and wait until it runs (behind the queue's backlog:
+        up to 30 s, the chaos clock going on meanwhile; the outage starts then)."""
+        group = self.quiet.get(outage, [])
+        if not group:
+            return
+        client = chaosproj.create_app({**self.env(), "RESILIENT_EFFECT_LOG": os.devnull})
+        try:
+            for task_id, kind, a in group:
+                self.send(client, task_id, kind, a, 10)
+        finally:
+            client.close()
+        keys = {task_id for task_id, _, _ in group}
+
+        def started() -> set[int]:
+            return {int(e["pid"]) for e in self.effects.entries("start") if e["key"] in keys}
+
+        def all_started() -> bool:
+            self.restart_due()
+            return len(started()) >= len(keys)
+
+        try:
+            wait_for(all_started, 30, "the quiet work to start", interval=0.2)
+        except TimeoutError:
+            log(f"only {len(started())} of {len(keys)} quiet tasks started within 30s")
+        self.protected = (started(), time.monotonic() + STORE_OUTAGE + 2 * LEASE)
+        log(f"quiet work running in pids {sorted(self.protected[0])} (spared by kills and "
+            "deploys until two leases after the outage)")
+
     def store_down(self) -> None:
-        seconds = WORKER_SETTINGS["resilient_lease_seconds"] + 3
+        self.start_quiet_work(self.figures.store_outages)
+        seconds = STORE_OUTAGE
         log(f"store outage: PostgreSQL stopped (-m immediate) for {seconds}s, longer than "
-            f"the lease ({WORKER_SETTINGS['resilient_lease_seconds']}s)")
+            f"the lease ({LEASE}s)")
         self.pg.stop_immediately()
         self.outages.add("store")
         self.store_since = time.monotonic()
+        self.store_down_wall.append([time.time(), float("inf")])
         self.figures.store_outages += 1
         self.schedule(seconds, "store_up")
 
     def store_up(self) -> None:
         self.pg.start()
+        self.store_down_wall[-1][1] = time.time()
         self.outages.discard("store")
         took = round(time.monotonic() - self.store_since, 1)
         self.figures.store_outage_seconds = max(self.figures.store_outage_seconds, took)
@@ -552,9 +680,9 @@ class Chaos:
         planned = {task_id: (kind, a) for task_id, kind, a in self.plan}
 
         # 1. every task done, nothing else in the store
-        for key, row in work.items():
+        for key, stray in work.items():
             if key not in planned:
-                bad.append(f"unexpected work row {key} ({row.state})")
+                bad.append(f"unexpected work row {key} ({stray.state})")
         for key in planned:
             row = work.get(key)
             if row is None or row.state != "done":
@@ -565,52 +693,23 @@ class Chaos:
                        f"{open_rows[:10]}")
         f.deaths = sum(int(r.deaths) for r in work.values())
         f.republished = sum(int(r.republished) for r in work.values())
-        f.by_kind = {k: sum(1 for _, kind, _ in self.plan if kind == k) for k, _ in MIX}
+        f.by_kind = {k: sum(1 for _, kind, _ in self.plan if kind == k)
+                     for k in [k for k, _ in MIX] + ["quiet"]}
 
         for key, (kind, a) in planned.items():
             row = work.get(key)
             if row is not None and row.state == "done":
                 bad += self._check_work(key, kind, a, row, by_key.get(key, []), steps, ledger,
                                         checkpoints, applied)
-            bad += self._check_overlap(key, by_key.get(key, []))
+            f.quiet_through_store_outage += quiet_through(by_key.get(key, []),
+                                                          self.store_down_wall)
+            found, refused = overlaps(key, by_key.get(key, []))
+            f.overlaps += len(found)
+            f.fenced_writes += refused
+            bad += found
         logs = "".join(w.process.all_logs() for w in self.workers)
         f.handed_off = len(re.findall(r"handed off work \S+ at epoch", logs))
         f.same_name_warnings = logs.count("ANOTHER LIVE WORKER USES THE NODE NAME")
-        return bad
-
-    def _check_overlap(self, key: str, entries: list[dict[str, Any]]) -> list[str]:
-        """7. No two executions of one unit overlap in time.
-
-        Each fencing token's lines span [first, last]; a ``refused`` write (the store's fence
-        turning a superseded execution away) is left out of the span: it is the one line
-        allowed after the successor started. Everything else (an effect outside the store, a
-        committed checkpoint, ``end``) means the execution was still running.
-        """
-        bad: list[str] = []
-        spans: dict[int, list[Any]] = {}  # token -> [first ts, last ts, pid, last line]
-        pids: dict[int, set[int]] = defaultdict(set)
-        for e in entries:
-            token = int(e["epoch"])
-            pids[token].add(int(e["pid"]))
-            if e["effect"] == "refused":
-                self.figures.fenced_writes += 1
-                continue
-            span = spans.setdefault(token, [e["ts"], e["ts"], e["pid"], e])
-            if e["ts"] >= span[1]:
-                span[1], span[3] = e["ts"], e
-            span[0] = min(span[0], e["ts"])
-        for token, seen in pids.items():
-            if len(seen) > 1:
-                bad.append(f"{key}: fencing token {token} ran in {len(seen)} processes "
-                           f"{sorted(seen)}")
-        ordered = sorted(spans.items(), key=lambda kv: kv[1][0])
-        for n, (later, (start, _, pid, _)) in enumerate(ordered):
-            for earlier, (_, end, epid, last) in ordered[:n]:
-                if start < end:
-                    self.figures.overlaps += 1
-                    bad.append(f"{key}: executions overlap: token {earlier} (pid {epid}) "
-                               f"wrote {last['effect']!r} at {end:.3f}, {end - start:.3f}s "
-                               f"after token {later} (pid {pid}) started at {start:.3f}")
         return bad
 
     def _check_work(self, key: str, kind: str, a: tuple[Any, ...], row: Any,
@@ -625,11 +724,12 @@ class Chaos:
         if late:
             bad.append(f"{key}: effects from epochs after the final epoch {final}: {late[:3]}")
         # (a long task handed off after its last row resumes with nothing left but to finish)
-        shown = {"long": ("start", "cp"), "short": ("short",)}.get(kind, ())
+        shown = {"long": ("start", "cp"), "quiet": ("start", "cp"),
+                 "short": ("short",)}.get(kind, ())
         if shown and not any(int(e["epoch"]) == final and e["effect"] in shown
                              for e in entries):
             bad.append(f"{key}: the finishing epoch {final} recorded no effect")
-        if kind == "long":
+        if kind in ("long", "quiet"):
             bad += self._check_long(key, a[0], entries, row, steps, ledger, checkpoints)
         elif kind == "short":
             epochs = [int(e["epoch"]) for e in entries if e["effect"] == "short"]
@@ -780,9 +880,10 @@ class Chaos:
               f"{f.handed_off} executions handed off), {f.same_name_workers} workers under one "
               f"node name ({f.same_name_warnings} warnings logged), {f.broker_outages} broker "
               f"outage(s) of {f.broker_outage_seconds}s, {f.store_outages} store outage(s) of "
-              f"{f.store_outage_seconds}s (lease {WORKER_SETTINGS['resilient_lease_seconds']}s)")
+              f"{f.store_outage_seconds}s (lease {LEASE}s)")
         print(f"overlapping executions {f.overlaps}; writes refused by the fence "
-              f"{f.fenced_writes}")
+              f"{f.fenced_writes}; executions alive through the store outage "
+              f"{f.quiet_through_store_outage}")
         if f.unplanned_exits:
             print(f"{f.unplanned_exits} worker exit(s) nobody asked for (restarted as a "
                   "supervisor would; see docs/reliability.md)")

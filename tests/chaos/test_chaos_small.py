@@ -1,5 +1,8 @@
-"""The chaos soak at CI size: 300 tasks, 3 workers, 10 SIGKILLs, one Redis and one PostgreSQL
-restart (throwaway servers of the run's own), every invariant checked (``benchmarks/chaos.py``).
+"""The chaos soak at CI size: 300 tasks, 3 workers (two of them under one node name), 10
+SIGKILLs, 3 deploys (SIGTERM to a worker's main process: its work hands off), one Redis and one
+PostgreSQL restart, a broker outage of 6 s and a store outage longer than the lease (throwaway
+servers of the run's own), every invariant checked (``benchmarks/chaos.py``), including "no two
+executions of one unit overlap".
 
 ``--visibility-timeout 20``: a message a worker fetched while the store was down, whose
 receipt could not be written before the worker was SIGKILLed, is covered only by the broker's
@@ -16,14 +19,17 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.chaos import overlaps
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.chaos
+ARGV = ["--tasks", "300", "--workers", "3", "--kills", "10", "--deploys", "3",
+        "--chaos-seconds", "60", "--seconds", "240", "--visibility-timeout", "20"]
 
 
 @pytest.mark.timeout(330)
 def test_chaos_small() -> None:
-    argv = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--tasks", "300",
-            "--workers", "3", "--kills", "10", "--seconds", "240", "--visibility-timeout", "20"]
+    argv = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), *ARGV]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False)
     out = done.stdout + done.stderr
@@ -32,8 +38,37 @@ def test_chaos_small() -> None:
     summary = json.loads(lines[-1].split(" ", 1)[1])
     assert done.returncode == 0, f"invariants violated:\n{out[-6000:]}"
     assert summary["violations"] == []
+    assert summary["overlaps"] == 0
     assert summary["tasks"] == 300
     assert summary["kills_group"] + summary["kills_child"] == 10
     assert summary["kills_mid_task"] >= 3, "the kills hit no running work: the soak proved little"
     assert summary["redis_restarts"] == 1 and summary["pg_restarts"] == 1
     assert summary["resumed_long"] >= 1, "no long task was resumed from a checkpoint"
+    assert summary["deploys"] == 3, out[-3000:]
+    assert summary["deploy_exit_max_seconds"] <= 30
+    assert summary["same_name_workers"] == 2 and summary["same_name_warnings"] >= 1
+    assert summary["store_outages"] == 1
+    assert summary["store_outage_seconds"] > 6, "the store outage was not longer than the lease"
+    assert summary["quiet_through_store_outage"] >= 1, (
+        "no execution ran through the store outage: the grace after it was not exercised")
+    assert summary["broker_outages"] == 1
+
+
+def _line(effect: str, epoch: int, pid: int, ts: float) -> dict[str, object]:
+    return {"effect": effect, "key": "k", "epoch": epoch, "pid": pid, "ts": ts}
+
+
+def test_overlap_check_tells_a_refused_write_from_a_running_execution() -> None:
+    """The soak's invariant 7 on hand-made effect lines (no services)."""
+    after_refusal = [_line("start", 1, 10, 0.0), _line("row", 1, 10, 1.0),
+                     _line("start", 2, 20, 2.0), _line("refused", 1, 10, 2.5),
+                     _line("end", 2, 20, 3.0)]
+    assert overlaps("k", after_refusal) == ([], 1)
+
+    effect_after_takeover = [_line("start", 1, 10, 0.0), _line("start", 2, 20, 2.0),
+                             _line("row", 1, 10, 2.5), _line("refused", 1, 10, 2.6)]
+    found, refused = overlaps("k", effect_after_takeover)
+    assert refused == 1 and len(found) == 1 and "token 1 (pid 10) wrote 'row'" in found[0]
+
+    one_token_two_pids = [_line("start", 1, 10, 0.0), _line("end", 1, 11, 1.0)]
+    assert "ran in 2 processes" in overlaps("k", one_token_two_pids)[0][0]

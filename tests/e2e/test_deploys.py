@@ -17,7 +17,11 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from kombu import Connection
+from sqlalchemy import select
 
+from celery_resilient import messages
+from celery_resilient.store.sql import Owner
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.services import ThrowawayPostgres
@@ -228,3 +232,38 @@ def test_store_outage_longer_than_the_lease_takes_no_live_claim(
                  if "released:" in line or re.search(
                      r"re-published orphaned work \S+ \(was (running|reserved)", line)]
         assert not taken, f"{w.worker_name} took or released live claims: {taken}"
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_a_claim_running_nowhere_on_a_live_worker_is_let_go_and_runs(
+        make_project: Callable[..., Project], broker_url: str, effect_log: EffectLog) -> None:
+    """A take that committed but whose execution never started (its reply was lost, or the
+    store and the broker were both down at a re-send): the live worker's incarnation holds a
+    running claim that nothing executes. The worker lets it go and the work runs, once."""
+    project = make_project(broker_url)
+    project.extra = {"resilient_sweep_interval": 0.5}
+    client = _client(project)
+    key = _send(client, 4, 0.05)
+    with Connection(project.broker) as conn:  # the real message, off the queue
+        raw = wait_for(lambda: conn.default_channel.basic_get(project.queue), 10, "the message")
+        message = messages.from_kombu(raw)
+        raw.ack()
+    worker = _worker(project, "alive")
+    wk = project.store.t.workers
+    with project.store.engine.connect() as db:
+        incarnation = db.execute(select(wk.c.incarnation).where(
+            wk.c.node == worker.hostname(), wk.c.stopped_at.is_(None))).scalar_one()
+        db.rollback()
+    pool_pid = worker.pool_pids()[0]
+    holder = Owner(worker.hostname(), incarnation, pool_pid)
+    project.store.record_receipt(key, TASK, key, None, message, holder, 30)
+    taken = project.store.take(key, TASK, key, None, holder, 30, 5, lambda *_: True)
+    assert taken.action == "run"  # ... and then nothing runs it
+
+    assert client.AsyncResult(key).get(timeout=60) == {"steps": 4}
+    runs = _assert_no_overlap(effect_log, key)
+    assert len(runs) == 1 and runs[0][0]["at"] == 0
+    row = project.store.get_work(key)
+    assert row is not None and (row.state, row.deaths) == ("done", 0)
+    assert f"work {key} requeued: its execution ended without an outcome" in (
+        worker.process.all_logs())
