@@ -181,6 +181,26 @@ def overlaps(key: str, entries: list[dict[str, Any]]) -> tuple[list[str], int]:
     return bad, refused
 
 
+ENDED = ("end", "handoff", "unavailable", "refused")  # lines after which an execution is over
+
+
+def killed_mid_task(by_key: dict[str, list[dict[str, Any]]],
+                    kills: list[tuple[float, set[int]]]) -> int:
+    """How many SIGKILLs hit running work, from the effect log: an execution in a killed pid
+    had started before the kill, had not ended, and never wrote again."""
+    spans: list[tuple[int, float, float, bool]] = []  # pid, first, last, ended
+    for entries in by_key.values():
+        tokens: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for e in entries:
+            tokens[int(e["epoch"])].append(e)
+        for lines in tokens.values():
+            spans.append((int(lines[0]["pid"]), lines[0]["ts"], lines[-1]["ts"],
+                          any(e["effect"] in ENDED for e in lines)))
+    return sum(1 for at, pids in kills
+               if any(pid in pids and first < at and last < at and not ended
+                      for pid, first, last, ended in spans))
+
+
 def quiet_through(entries: list[dict[str, Any]], outages: list[list[float]]) -> int:
     """Executions that ran a row across a whole store outage and recorded it afterwards: alive
     all along, lease unrenewed, so the sweeps after the outage had to leave their claim be."""
@@ -251,6 +271,7 @@ class Chaos:
         self.stopping: dict[int, float] = {}  # deploys under way: worker -> SIGTERM time
         self.exited_at: dict[int, float] = {}  # deploys: when the main process exited
         self.store_down_wall: list[list[float]] = []  # store outages, wall clock
+        self.kill_log: list[tuple[float, set[int]]] = []  # SIGKILLs: wall clock, pids hit
         self.quiet: dict[int, list[tuple[str, str, tuple[Any, ...]]]] = {}  # outage -> work
         self.held: set[str] = set()  # quiet work: sent by its outage, not by the submitter
         self.protected: tuple[set[int], float] = (set(), 0.0)  # pids kept alive, until
@@ -394,16 +415,16 @@ class Chaos:
             if children:
                 pid = self.rng.choice(children)
                 busy = self.running_on(worker, pid)
+                self.kill_log.append((time.time(), {pid}))
                 worker.kill_pool_child(pid)
                 self.figures.kills_child += 1
-                self.figures.kills_mid_task += bool(busy)
                 log(f"SIGKILL pool child of w{i} ({busy} task(s) running in it)")
                 return
         busy = self.running_on(worker)
+        self.kill_log.append((time.time(), set(worker.process.children())))
         worker.kill("SIGKILL")
         self.figures.kills_group += 1
-        self.figures.kills_mid_task += bool(busy)
-        log(f"  w{i} had {busy} task(s) running")
+        log(f"  w{i} had {busy} task(s) running (pool {sorted(self.kill_log[-1][1])})")
         if self.rng.random() < 0.25 and len(up) > 1:
             pause = LEASE + 2
             self.down_until[i] = time.monotonic() + pause
@@ -707,6 +728,7 @@ class Chaos:
             f.overlaps += len(found)
             f.fenced_writes += refused
             bad += found
+        f.kills_mid_task = killed_mid_task(by_key, self.kill_log)
         logs = "".join(w.process.all_logs() for w in self.workers)
         f.handed_off = len(re.findall(r"handed off work \S+ at epoch", logs))
         f.same_name_warnings = logs.count("ANOTHER LIVE WORKER USES THE NODE NAME")

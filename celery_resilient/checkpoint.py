@@ -9,7 +9,7 @@ from typing import Any
 
 from . import codec, handoff
 from .errors import CheckpointError, SerializationError
-from .execution import Execution
+from .execution import Execution, refuse_inside_atomic
 from .testing import killpoints
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class Checkpoint:
         (``AsyncResult.info == {"done": done, "total": total}``, shown by Flower) when the task
         stores results; it is not part of the durable state.
         """
+        refuse_inside_atomic("checkpoint.save")
         if progress is not None:
             progress = _check_progress(self._x.work_key, progress)
         try:
@@ -73,12 +74,20 @@ class Checkpoint:
             killpoints.reached("after_checkpoint")
         if progress is not None and self._on_progress is not None:
             self._on_progress(*progress)
-        if self._x.can_hand_off and handoff.requested():
+        if self._x.can_hand_off and handoff.requested() and not self._revoked():
             raise handoff.HandOff(f"work {self._x.work_key!r} hands off at checkpoint "
                                   f"#{self.sequence}")
         return self.sequence
 
+    def _revoked(self) -> bool:
+        """Revoked without terminate: it runs to its end, as in Celery (a handed-off copy
+        would be discarded as revoked, leaving the work half done)."""
+        if self._x.store is None or self._x.task_id is None:
+            return False
+        return self._x.store.is_revoked(self._x.task_id)
+
     def clear(self) -> None:
+        refuse_inside_atomic("checkpoint.clear")
         self._x.progress.clear_checkpoint(self._x.work_key, self._x.epoch)
         self.sequence = 0
 

@@ -26,6 +26,7 @@ from . import codec
 from .app import Resilient
 from .context_cache import CacheUnavailable, LocalContextCache, RedisContextCache
 from .errors import ConfigurationError, ContextConflict, ContextNotFound, SerializationError
+from .execution import refuse_inside_atomic
 from .store.contexts import ContextRows, Fence
 
 if TYPE_CHECKING:
@@ -245,6 +246,8 @@ class ContextStore:
     def _write(self, key: str, op: str, text: str | None, expected: int | None,
                fence: Fence | None) -> int:
         """Store first, cache after: the cache never holds what the store did not commit."""
+        if fence is not None:
+            refuse_inside_atomic(f"saving context {key!r}")
         if self._local is not None:
             return self._write_local(key, op, text, expected, fence)
         assert self._redis is not None

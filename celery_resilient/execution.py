@@ -8,11 +8,42 @@ because ledger keys are global (see ``ResumableTask.ledger``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .config import ResilientConfig
+from .errors import ResilientError
 from .store.sql import Store
+
+#: The ledger key of the ``ledger.atomic()`` block open in this context, if any.
+_open_atomic: ContextVar[str | None] = ContextVar("resilient_open_atomic", default=None)
+
+
+@contextmanager
+def atomic_open(key: str) -> Iterator[None]:
+    """Mark a ``ledger.atomic()`` block as open while its transaction is."""
+    token = _open_atomic.set(key)
+    try:
+        yield
+    finally:
+        _open_atomic.reset(token)
+
+
+def refuse_inside_atomic(what: str) -> None:
+    """A fenced write on its own connection inside ``ledger.atomic()`` would wait for ever on
+    PostgreSQL (the block's transaction holds the claim row it must lock) and for the busy
+    timeout on SQLite; and a hand-off at a checkpoint saved there would be rolled back with
+    the block. Refuse it with an error that says what to do instead."""
+    key = _open_atomic.get()
+    if key is not None:
+        raise ResilientError(
+            f"{what} inside ledger.atomic({key!r}) is not supported: it needs the claim row "
+            "the block's transaction holds. Write through tx.execute(...) inside the block, "
+            "and save checkpoints, steps, contexts and other ledger keys after it (the "
+            "block's marker makes a replay skip it)")
 
 
 class ProgressStore(Protocol):
@@ -67,6 +98,8 @@ class Execution:
     #: Whether this execution may hand its work off at a warm shutdown (a worker's, with a
     #: message to re-publish; not eager mode, apply() or a direct call).
     can_hand_off: bool = False
+    #: The Celery request this execution serves (None for a direct call).
+    task_id: str | None = None
 
     @property
     def direct(self) -> bool:

@@ -12,7 +12,7 @@ import socket
 import threading
 import uuid
 
-from .store.sql import Owner
+from .store.sql import EAGER_SUFFIX, Owner
 
 _incarnation: str = uuid.uuid4().hex
 _active: set[str] = set()
@@ -30,8 +30,11 @@ def incarnation() -> str:
     return _incarnation
 
 
-def owner(node: str | None) -> Owner:
-    return Owner(node or f"local@{socket.gethostname()}", _incarnation, os.getpid())
+def owner(node: str | None, eager: bool = False) -> Owner:
+    """Who claims work in this process; eager executions claim as a separate owner whose
+    claims live by their own lease (renewed by the worker while their process lives)."""
+    return Owner(node or f"local@{socket.gethostname()}",
+                 _incarnation + EAGER_SUFFIX if eager else _incarnation, os.getpid())
 
 
 def enter(work_key: str) -> None:

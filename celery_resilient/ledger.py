@@ -11,7 +11,7 @@ from sqlalchemy import Connection
 
 from . import codec
 from .errors import LedgerKeyError, StoreUnavailable
-from .execution import Execution
+from .execution import Execution, atomic_open, refuse_inside_atomic
 from .store import transient
 from .store.sql import Store
 from .testing import killpoints
@@ -63,6 +63,7 @@ class Ledger:
         and before the marker commits replays ``fn`` (make it idempotent, or use ``atomic``).
         """
         key = _check_key(key)
+        refuse_inside_atomic(f"ledger.once({key!r})")
         stored = self._store.ledger_get(key)
         if stored is not None:
             log.info("ledger key %s already applied; skipping", key,
@@ -100,10 +101,12 @@ class Ledger:
                 raise LedgerKeyError("atomic() outside a task needs an explicit key")
             key = f"{self._x.work_key}:atomic"
         key = _check_key(key)
+        refuse_inside_atomic(f"ledger.atomic({key!r})")
         wk, epoch = (self._x.work_key, self._x.epoch) if self._x else (None, None)
         operation = f"ledger.atomic({key!r})"
         try:
-            with transient.operation(operation), self._store.begin() as conn:
+            with (transient.operation(operation), self._store.begin() as conn,
+                  atomic_open(key)):
                 if self._x is not None:
                     self._store.fence(conn, self._x.work_key, self._x.epoch)
                 # Insert the marker first: a concurrent transaction for the same key then waits

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from . import codec
 from .errors import ResilientError
-from .execution import Execution
+from .execution import Execution, refuse_inside_atomic
 from .testing import killpoints
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,7 @@ def run_step(x: Execution, name: str, fn: Callable[..., R], *args: Any, **kwargs
     (pass ``self.fencing_token`` or the work key to the other system) or use the ledger's
     ``atomic()`` when the effect is a write to the store's own database.
     """
+    refuse_inside_atomic(f"step {name!r}")
     if not isinstance(name, str) or not name or len(name) > 255:
         raise ResilientError(f"step name must be a non-empty string of <= 255 chars, got {name!r}")
     stored = x.progress.get_step(x.work_key, name)

@@ -154,7 +154,7 @@ class ResumableTask(Task):  # type: ignore[misc]
             return self._call_directly(args, kwargs)
         rt = self.resilient
         work_key = self._work_key_for(req.id, args, kwargs)
-        who = identity.owner(req.hostname)
+        who = identity.owner(req.hostname, eager=bool(req.is_eager))
         try:
             outcome = rt.store.take(
                 work_key, self.name, req.id, _digest_or_none(args, kwargs), who,
@@ -202,7 +202,8 @@ class ResumableTask(Task):  # type: ignore[misc]
             self._hand_off(rt, claim.epoch, ctx)
             raise Ignore()
         req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
-                                            claim.attempts, can_hand_off=not req.is_eager)
+                                            claim.attempts, can_hand_off=not req.is_eager,
+                                            task_id=req.id)
         req.resilient_checkpoint = None
         identity.enter(work_key)
         try:

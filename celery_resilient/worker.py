@@ -64,12 +64,22 @@ class LeaseKeeper(threading.Thread):
     def run(self) -> None:
         cfg = self.rt.config
         failures = 0
+        last_renewal = time.monotonic()
         while not self._stop_event.is_set():
             try:
                 alive = self.store.heartbeat(self.owner, cfg.lease_seconds)
                 self.renewals += 1
                 failures = 0
                 wait = cfg.heartbeat_interval
+                renewed_at = time.monotonic()
+                if renewed_at - last_renewal > cfg.heartbeat_interval + cfg.lease_seconds / 4:
+                    # Renewed, but late: the store was blocked (an SQLite write lock held by
+                    # a long transaction), so nobody's renewals landed either. Count it as
+                    # an outage: leases get a lease of grace.
+                    self.last_failure = renewed_at
+                    log.warning("lease renewal was %.1fs late", renewed_at - last_renewal
+                                - cfg.heartbeat_interval, extra={"action": "lease_late"})
+                last_renewal = renewed_at
                 if not alive and not self._declared_dead_logged:
                     self._declared_dead_logged = True
                     log.error("this worker (%s, incarnation %s) was declared dead by another "
@@ -163,7 +173,7 @@ class Maintainer(threading.Thread):
         return self.rt.store.reconcile(
             self.owner, identity.pid_alive, self.rt.held.snapshot(), executing_task_ids(),
             EXECUTING_GRACE_SECONDS, self.rt.resent.snapshot(self.store_down_at()),
-            2 * cfg.store_retry_max + cfg.sweep_interval)
+            2 * cfg.store_retry_max + cfg.sweep_interval, cfg.lease_seconds)
 
     def run(self) -> None:
         cfg = self.rt.config
@@ -178,6 +188,11 @@ class Maintainer(threading.Thread):
                 self.revokes.flush(self.rt)
                 if now >= next_sweep:
                     self.reconcile()
+                    if time.monotonic() - now > cfg.lease_seconds / 4:
+                        # This round waited on the store (an SQLite write lock held by a
+                        # long transaction): others' renewals waited too. Grace, as after an
+                        # outage.
+                        self.last_failure = time.monotonic()
                     if not self.draining:
                         recovery.sweep(self.rt, self.owner, self.judge_leases())
                     next_sweep = now + cfg.sweep_interval

@@ -111,6 +111,11 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
+#: The incarnation suffix of eager executions' claims (``task.apply()``, eager mode): no
+#: worker's pool accounts for them, so they live by their own lease.
+EAGER_SUFFIX = ":eager"
+
+
 @dataclass(frozen=True)
 class Owner:
     """Who holds a claim: worker node name, per-start incarnation id, and process id."""
@@ -726,6 +731,14 @@ class Store:
                 .values(**self.ended(state, error))).rowcount)
 
     @guarded
+    def is_revoked(self, task_id: str) -> bool:
+        rv = self.t.revocations
+        with self.engine.connect() as conn:
+            found = conn.execute(select(rv.c.task_id).where(rv.c.task_id == task_id)).first()
+            conn.rollback()
+        return found is not None
+
+    @guarded
     def record_revocations(self, task_ids: Sequence[str]) -> int:
         """Remember task ids revoked through Celery, and end their work that has not started.
 
@@ -854,7 +867,7 @@ class Store:
     def reconcile(self, owner: Owner, pid_alive: Callable[[int | None], bool] | None = None,
                   held: frozenset[str] | None = None, executing: frozenset[str] | None = None,
                   grace_seconds: float = 5.0, resent: frozenset[str] = frozenset(),
-                  resend_hold: float = 60.0) -> int:
+                  resend_hold: float = 60.0, lease_seconds: float = 30.0) -> int:
         """Release this incarnation's claims that run nowhere; return how many.
 
         The incarnation's lease keeps every claim it names alive, so a claim whose execution
@@ -871,6 +884,9 @@ class Store:
         - a reserved claim whose message the worker no longer ``held`` (acked or rejected
           without the work ending), and not re-sent, loses its owner: the next sweep
           re-publishes it.
+
+        The claims of eager executions (``task.apply()`` inside a task) of this worker's
+        live processes get their own lease renewed (``lease_seconds``).
         """
         w = self.t.work
         now = self.dialect.now()
@@ -899,6 +915,17 @@ class Store:
                     let_go.append((r.work_key, int(r.epoch),
                                    resend_hold if r.task_id in resent else 0.0))
             mine = w.c.incarnation == owner.incarnation
+            # Eager executions in this worker's processes (task.apply() inside a task) are
+            # not Celery requests: they keep their claim by its own lease, renewed here
+            # while their process lives.
+            eager = select(w.c.owner_pid).distinct().where(
+                w.c.incarnation == owner.incarnation + EAGER_SUFFIX, w.c.state == RUNNING)
+            eager_pids = [p for p in conn.execute(eager).scalars() if p is not None]
+            gone = [p for p in eager_pids if pid_alive is not None and not pid_alive(p)]
+            if eager_pids:
+                conn.execute(update(w).where(
+                    w.c.incarnation == owner.incarnation + EAGER_SUFFIX, w.c.state == RUNNING,
+                    w.c.owner_pid.not_in(gone)).values(lease_expires_at=now + lease_seconds))
             for key, epoch, why in lapse:
                 conn.execute(update(w).where(mine, w.c.work_key == key, w.c.epoch == epoch,
                                              w.c.state.in_((RUNNING, RESERVED)))
@@ -964,8 +991,10 @@ class Store:
         stopped = exists(owner_row.where(wk.c.stopped_at.is_not(None)))
         own_deadline = and_(~exists(owner_row), w.c.lease_expires_at < now)
         if judge_leases:
+            # Never the sweeper's own incarnation: it is alive (it is sweeping), and it lets
+            # go of its own claims that run nowhere itself (``reconcile``).
             expired = exists(owner_row.where(
-                wk.c.stopped_at.is_(None),
+                wk.c.incarnation != owner.incarnation, wk.c.stopped_at.is_(None),
                 func.coalesce(wk.c.lease_expires_at, wk.c.heartbeat_at + lease_seconds) < now))
             gone: ColumnElement[bool] = or_(stopped, expired, own_deadline)
         else:

@@ -24,7 +24,7 @@ app = app_from_env("deployproj", os.environ, backend=result_backend_for(os.envir
 effects = EffectLog(os.environ.get("RESILIENT_EFFECT_LOG", os.devnull))
 
 
-@app.task(base=ResumableTask, bind=True, name="tests.e2e.deployproj.long_job")
+@app.task(base=ResumableTask, bind=True, name="tests.e2e.deployproj.long_job", track_started=True)
 def long_job(self: ResumableTask, steps: int, delay: float) -> dict[str, Any]:
     state = self.checkpoint.load(default={"i": 0})
     who = {"key": self.work_key, "epoch": self.fencing_token}
@@ -35,3 +35,4 @@ def long_job(self: ResumableTask, steps: int, delay: float) -> dict[str, Any]:
         self.checkpoint.save({"i": i + 1})
     effects.record("end", **who)
     return {"steps": steps}
+

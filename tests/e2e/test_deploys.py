@@ -267,3 +267,26 @@ def test_a_claim_running_nowhere_on_a_live_worker_is_let_go_and_runs(
     assert row is not None and (row.state, row.deaths) == ("done", 0)
     assert f"work {key} requeued: its execution ended without an outcome" in (
         worker.process.all_logs())
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_revoked_running_work_drains_at_a_deploy_as_in_celery(
+        make_project: Callable[..., Project], broker_url: str, effect_log: EffectLog) -> None:
+    """revoke() without terminate lets running work finish (Celery); a deploy must not turn
+    that into a hand-off whose copy is discarded as revoked, half done (found by review)."""
+    project = make_project(broker_url)
+    first, second = _worker(project, "r1"), _worker(project, "r2")
+    client = _client(project)
+    steps = 40
+    key = _send(client, steps, 0.25)
+    wait_for(lambda: sum(_steps(effect_log, key).values()) >= 4, 60, "4 steps")
+    stopping = _running_on(effect_log, key, first, second)
+    client.control.revoke(key)
+    wait_for(lambda: project.store.is_revoked(key), 10, "the revoke copied into the store")
+    stopping.process.kill("SIGTERM", group=False)
+    assert client.AsyncResult(key).get(timeout=60) == {"steps": steps}
+    wait_for(lambda: stopping.process.status == "exited", 30, "the drained worker to exit")
+    runs = _assert_no_overlap(effect_log, key)
+    assert len(runs) == 1, "the revoked work was handed off instead of drained"
+    assert _steps(effect_log, key) == {i: 1 for i in range(steps)}
+

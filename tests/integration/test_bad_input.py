@@ -170,3 +170,25 @@ def test_unreachable_postgresql_is_store_unavailable(down: Store, store: Store,
     with pytest.raises(StoreUnavailable) as info:
         OPERATIONS[op](down, _down_execution(down, store))
     assert "unreachable" in str(info.value) or "lost" in str(info.value)
+
+
+@pytest.mark.parametrize("write", ["checkpoint.save", "checkpoint.clear", "step",
+                                   "ledger.once", "ledger.atomic"])
+def test_fenced_writes_inside_atomic_are_refused_not_deadlocked(store: Store, write: str) -> None:
+    """Found by the issue 11 review: a checkpoint saved inside ledger.atomic() waited for ever
+    on PostgreSQL (its own connection needs the claim row the block's transaction holds)."""
+    x = execution(store, run(store, "k", owner()))
+    ledger = Ledger(store, x)
+    writes: dict[str, Callable[[], Any]] = {
+        "checkpoint.save": lambda: Checkpoint(x).save({"row": 1}),
+        "checkpoint.clear": lambda: Checkpoint(x).clear(),
+        "step": lambda: run_step(x, "s", lambda: 1),
+        "ledger.once": lambda: ledger.once("other", lambda: 1),
+        "ledger.atomic": lambda: ledger.atomic("inner").__enter__(),
+    }
+    refused = r"inside ledger\.atomic\('k:atomic'\) is not supported.*save checkpoints.*after it"
+    with pytest.raises(ResilientError, match=refused), ledger.atomic():
+        writes[write]()
+    assert store.ledger_get("k:atomic") is None, "the block was rolled back with the error"
+    Checkpoint(x).save({"row": 1})  # after the block, the same write works
+    assert store.load_checkpoint("k") is not None

@@ -9,10 +9,15 @@ incarnation's lease would keep it for as long as the worker lives.
 
 from __future__ import annotations
 
-from celery_resilient.receipts import HeldRequests
-from celery_resilient.store.sql import Receipt, Store
+import os
+import subprocess
+import sys
 
-from .helpers import owner, run, started
+from celery_resilient.identity import pid_alive
+from celery_resilient.receipts import HeldRequests
+from celery_resilient.store.sql import EAGER_SUFFIX, Owner, Receipt, Store
+
+from .helpers import expire, owner, run, started
 
 
 def test_unheld_reserved_claims_lapse_and_are_re_published(store: Store) -> None:
@@ -65,3 +70,21 @@ def test_held_requests_count_copies_of_one_task_id() -> None:
     held.release("t")  # never below zero
     held.add("t")
     assert held.snapshot() == frozenset({"t"})
+
+
+def test_eager_claims_of_live_processes_keep_their_own_lease(store: Store) -> None:
+    """task.apply() inside a task on a worker: no Celery request accounts for it. Found by
+    the issue 11 review: it was let go as "not executing" and re-run on another worker."""
+    me = started(store, owner("w@host"))
+    live = Owner(me.node, me.incarnation + EAGER_SUFFIX, os.getpid())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = Owner(me.node, me.incarnation + EAGER_SUFFIX, gone.pid)
+    run(store, "nested", live, task_id="t-nested")
+    run(store, "nested-of-a-dead-process", dead, task_id="t-dead")
+    expire(store, "nested")
+    expire(store, "nested-of-a-dead-process")
+    assert store.reconcile(me, pid_alive, executing=frozenset(), grace_seconds=0) == 0
+    orphans = store.claim_orphans(owner("other@host"), 10, 30)
+    assert [o.work_key for o in orphans] == ["nested-of-a-dead-process"]
+    assert store.get_work("nested").state == "running"  # type: ignore[union-attr]

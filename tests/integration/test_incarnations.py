@@ -17,7 +17,7 @@ from celery_resilient.store.sql import Owner, Store
 from celery_resilient.testing import wait_for
 from celery_resilient.worker import LeaseKeeper, Maintainer, settle_predecessors
 
-from .helpers import owner, run
+from .helpers import expire_incarnation, owner, run
 
 
 def _runtime(store: Store, **settings: object) -> Resilient:
@@ -95,3 +95,38 @@ def test_leases_are_not_judged_within_a_lease_of_an_outage(store: Store) -> None
     if not store.dialect.is_sqlite:
         up_for = store.up_for()
         assert up_for is not None and up_for > 0
+
+
+def test_a_sweeper_never_takes_its_own_incarnations_claims(store: Store) -> None:
+    """Found by review: after a long SQLite write lock, a sweeper re-published its own live
+    claims (its own lease had lapsed too). Its own claims it lets go itself (reconcile)."""
+    me = owner("me@host")
+    store.register(me, liveness.current(), 30)
+    run(store, "mine", me)
+    expire_incarnation(store, me)
+    assert store.claim_orphans(me, 10, 30) == []
+    assert [o.work_key for o in store.claim_orphans(owner("other@host"), 10, 30)] == ["mine"]
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_renewal_held_up_by_a_write_lock_counts_as_an_outage(store: Store) -> None:
+    """On SQLite a long transaction holds the database's write lock: renewals wait for it,
+    and so did everyone else's. A late renewal gives other owners a lease of grace."""
+    rt = _runtime(store, lease_seconds=2, heartbeat_interval=0.2)
+    me = owner("late@host")
+    store.register(me, liveness.current(), 2)
+    keeper = LeaseKeeper(rt, me)
+    keeper.start()
+    try:
+        wait_for(lambda: keeper.renewals >= 2, 10, "two renewals")
+        assert keeper.last_failure is None
+        with store.begin():  # BEGIN IMMEDIATE: the write lock, held for most of a lease
+            held_since, renewals = time.monotonic(), keeper.renewals
+            wait_for(lambda: time.monotonic() - held_since > 1.5, 10, "a lock held 1.5 s")
+            assert keeper.renewals <= renewals + 1, "renewals went on under the write lock"
+        wait_for(lambda: keeper.last_failure is not None, 10, "the late renewal noticed")
+    finally:
+        keeper.stop()
+        keeper.join(5)
+    maint = Maintainer(rt, Owner("m@host", "inc", os.getpid()), keeper)
+    assert not maint.judge_leases()
