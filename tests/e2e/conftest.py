@@ -12,6 +12,7 @@ from celery import Celery
 from celery_resilient.store.sql import Store
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.plugin import NodeFactory
+from celery_resilient.testing.services import ThrowawayPostgres
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -86,6 +87,17 @@ def make_project(resilient_nodes: NodeFactory, table_prefix: str, queue_name: st
     yield make
     for project in made:
         project.close()
+
+
+@pytest.fixture
+def throwaway_pg() -> Iterator[ThrowawayPostgres]:
+    """A PostgreSQL cluster of the test's own (initdb on a free port) it may stop and start."""
+    pg = ThrowawayPostgres().init()
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.destroy()
 
 
 @pytest.fixture

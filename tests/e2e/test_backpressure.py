@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,16 +27,6 @@ from .conftest import Project
 
 pytestmark = pytest.mark.e2e
 TASKS = 300
-
-
-@pytest.fixture
-def throwaway_pg() -> Iterator[ThrowawayPostgres]:
-    pg = ThrowawayPostgres().init()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.destroy()
 
 
 def _redis_messages(broker_url: str, queue: str) -> list[dict[str, Any]]:

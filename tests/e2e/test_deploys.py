@@ -12,7 +12,7 @@ import itertools
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,16 +32,6 @@ from .lifecycleproj import result_backend_for
 pytestmark = pytest.mark.e2e
 APP = "tests.e2e.deployproj"
 TASK = "tests.e2e.deployproj.long_job"
-
-
-@pytest.fixture
-def throwaway_pg() -> Iterator[ThrowawayPostgres]:
-    pg = ThrowawayPostgres().init()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.destroy()
 
 
 def _worker(project: Project, name: str, node: str | None = None,

@@ -8,7 +8,7 @@ again once the worker has logged that it is retrying. The machine's own server i
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,16 +22,6 @@ from .conftest import Project
 pytestmark = pytest.mark.e2e
 ROWS = 20
 DELAY = 0.15
-
-
-@pytest.fixture
-def throwaway_pg() -> Iterator[ThrowawayPostgres]:
-    pg = ThrowawayPostgres().init()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.destroy()
 
 
 def _rows_done(effects: EffectLog, key: str) -> int:
