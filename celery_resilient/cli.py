@@ -24,11 +24,12 @@ from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
+from sqlalchemy.exc import SQLAlchemyError
 
 from .app import Resilient
-from .config import sanitize_url
+from .config import ResilientConfig, sanitize_url
 from .errors import ResilientError
-from .states import ALL_STATES, DEAD
+from .states import ALL_STATES, DEAD, OPEN_STATES
 from .store import migrate as migrations
 from .store.admin_queries import (
     AdminQueries,
@@ -44,6 +45,8 @@ from .store.operator_queries import (
     ActionReport,
     Selection,
     SelectionError,
+    prune_workers,
+    prune_workers_count,
 )
 from .store.sql import Owner, Store
 
@@ -93,27 +96,76 @@ def _duration(value: str, option: str) -> float:
 def _runtime(ctx: click.Context) -> Resilient:
     app = ctx.obj.app
     try:
-        return Resilient.of(app)
+        _configure_from_django(app)
+        rt = Resilient.of(app)
+        _ = rt.config  # resolved once, here: errors are usage errors of this command
     except ResilientError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    return rt
 
 
-def _store(ctx: click.Context) -> tuple[Resilient, Store]:
-    """The app's store with its schema checked (never created: use ``migrate`` for that)."""
+def _configure_from_django(app: Any) -> None:
+    """Give a Celery app configured from Django's settings the store its worker uses.
+
+    A worker sets Django up before it reads any setting (Celery's Django fixup calls
+    ``django.setup()`` when it imports the task modules), and the Django app's ``ready()``
+    then defaults the store to ``DATABASES["default"]`` (``configure_from_django``). A
+    ``celery -A proj resilient`` command imports no task module, so without this it read the
+    settings before Django was set up and fell back to the SQLite file in the working
+    directory. Both now go through the same ``configure_from_django``.
+    """
+    if "django" not in sys.modules and not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return
+    try:  # optional dependency: only a Django project has it
+        import django
+        from django.core.exceptions import ImproperlyConfigured
+
+        from .contrib.django.conf import configure_from_django, reads_django_settings
+    except ImportError:
+        return
+    if not reads_django_settings(app):
+        return
+    try:
+        django.setup()  # idempotent; runs the app config's ready()
+    except ImproperlyConfigured as exc:
+        raise click.ClickException(
+            f"the Celery app reads Django's settings, but Django could not be set up: {exc}. "
+            "Set DJANGO_SETTINGS_MODULE (as proj/celery.py usually does)") from None
+    configure_from_django(app)
+
+
+def describe_store(cfg: ResilientConfig) -> str:
+    """The store as every command names it: URL with the password masked, and the prefix."""
+    return f"{sanitize_url(cfg.store_url)} (prefix {cfg.table_prefix})"
+
+
+def _announce(rt: Resilient) -> None:
+    """Name the store a command acts on (human output; JSON carries a ``store`` key)."""
+    click.echo(f"store: {describe_store(rt.config)}")
+
+
+def _store(ctx: click.Context, as_json: bool = False) -> tuple[Resilient, Store]:
+    """The app's store with its schema checked, created or upgraded only where a worker
+    would do it itself (``resilient_auto_migrate``; SQLite stores by default)."""
     rt = _runtime(ctx)
     try:
-        store = _checked(rt)
+        store = _checked(rt.config)
     except ResilientError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    except SQLAlchemyError as exc:
+        raise click.ClickException(
+            f"the store {describe_store(rt.config)} is unreachable: {exc}") from None
     ctx.call_on_close(store.dispose)
+    if not as_json:
+        _announce(rt)
     return rt, store
 
 
-def _checked(rt: Resilient) -> Store:
-    cfg = rt.config
+def _checked(cfg: ResilientConfig) -> Store:
+    """A store for ``cfg`` whose schema is current; migrated exactly when a worker would."""
     store = Store(cfg.store_url, cfg.table_prefix)
     try:
-        store.ensure_schema(migrate_if_needed=False)
+        store.ensure_schema(migrate_if_needed=cfg.migrates_itself)
     except BaseException:
         store.dispose()
         raise
@@ -154,18 +206,20 @@ def _span(seconds: float) -> str:
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ",
            err: bool = False) -> None:
+    _rows(lambda line: click.echo(line, err=err), headers, rows, indent)
+
+
+def _rows(echo: Callable[[str], Any], headers: Sequence[str], rows: Sequence[Sequence[Any]],
+          indent: str = "  ") -> None:
     if not rows:
-        click.echo(f"{indent}(none)", err=err)
+        echo(f"{indent}(none)")
         return
     cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    click.echo(indent + "  ".join(h.upper().ljust(w) for h, w in zip(headers, widths,
-                                                                     strict=True)).rstrip(),
-               err=err)
+    echo(indent + "  ".join(h.upper().ljust(w) for h, w in zip(headers, widths,
+                                                               strict=True)).rstrip())
     for r in cells:
-        click.echo(indent + "  ".join(v.ljust(w) for v, w in zip(r, widths,
-                                                                 strict=True)).rstrip(),
-                   err=err)
+        echo(indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
 
 def _echo_json(data: Any) -> None:
@@ -244,36 +298,127 @@ def resilient(ctx: click.Context) -> None:
 
 
 @resilient.command(cls=CeleryCommand)
+@option_json
 @click.pass_context
-def migrate(ctx: click.Context) -> None:
+def migrate(ctx: click.Context, as_json: bool) -> None:
     """Create or upgrade the store's schema to the current revision."""
-    rt = _runtime(ctx)
-    cfg = _run(lambda: rt.config)
-    store = Store(cfg.store_url, cfg.table_prefix)
-    ctx.call_on_close(store.dispose)
-    _run(store.migrate)
-    info = migrations.describe(store.engine, cfg.table_prefix)
-    click.echo(f"schema of {sanitize_url(cfg.store_url)} (prefix {cfg.table_prefix}) "
-               f"is at revision {info['current']}")
+    with _json_errors(as_json):
+        rt = _runtime(ctx)
+        data, code = migrate_report(rt.config)
+        if code and not as_json:
+            raise click.ClickException(data["error"])
+    _echo_json(data) if as_json else click.echo(migrate_text(data))
+    if code:
+        ctx.exit(code)
 
 
 @resilient.command(cls=CeleryCommand)
 @option_json
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Claims by state and owner, oldest lease, dead work, pending beat slots, contexts."""
-    rt, store = _store(ctx)
-    s = _run(AdminQueries(store).status)
+    """Work by state, open claims with their owners and leases, dead work, pending beat
+    slots, contexts and workers. Exits 1 when the schema is missing or old, or the store
+    cannot be read."""
+    with _json_errors(as_json):
+        rt = _runtime(ctx)
+        data, code = status_report(rt.config, migrations.FIX_COMMAND)
+    if as_json:
+        _echo_json(data)
+    else:
+        render_status(data, click.echo, lambda line: click.echo(line, err=True))
+    if code:
+        ctx.exit(code)
+
+
+# -- migrate and status, shared with manage.py resilient_migrate / resilient_status -------------
+
+MAX_OPEN = 50
+
+
+def _store_error(cfg: ResilientConfig, exc: BaseException) -> str:
+    return f"the store {describe_store(cfg)} could not be used: {type(exc).__name__}: {exc}"
+
+
+def migrate_report(cfg: ResilientConfig) -> tuple[dict[str, Any], int]:
+    """Bring the schema of ``cfg``'s store to the head revision: (report, exit code).
+
+    The report is ``{"store", "table_prefix", "before", "revision", "head", "changed"}``,
+    or ``{"store", "table_prefix", "error"}`` with exit code 1 when the store cannot be used.
+    """
+    data: dict[str, Any] = {"store": sanitize_url(cfg.store_url),
+                            "table_prefix": cfg.table_prefix}
+    store = Store(cfg.store_url, cfg.table_prefix)
+    try:
+        before = migrations.current_revision(store.engine, cfg.table_prefix)
+        store.migrate()
+        info = migrations.describe(store.engine, cfg.table_prefix)
+    except (ResilientError, SQLAlchemyError) as exc:
+        data["error"] = _store_error(cfg, exc)
+        return data, 1
+    finally:
+        store.dispose()
+    data.update(before=before, revision=info["current"], head=info["head"],
+                changed=before != info["current"])
+    return data, 0
+
+
+def migrate_text(data: dict[str, Any]) -> str:
+    change = ("already current" if not data["changed"]
+              else f"upgraded from {data['before'] or 'nothing'}")
+    return (f"schema of {data['store']} (prefix {data['table_prefix']}) is at revision "
+            f"{data['revision']} ({change})")
+
+
+def status_report(cfg: ResilientConfig, migrate_command: str) -> tuple[dict[str, Any], int]:
+    """The status of ``cfg``'s store: (report, exit code 0, or 1 with an ``error`` key).
+
+    One implementation and one JSON shape for ``celery -A proj resilient status`` and
+    ``manage.py resilient_status``. The schema is created or upgraded first only where a
+    worker would do it itself (``ResilientConfig.migrates_itself``); otherwise a missing or
+    old schema is the error, naming ``migrate_command``.
+    """
+    data: dict[str, Any] = {"store": sanitize_url(cfg.store_url),
+                            "table_prefix": cfg.table_prefix}
+    store = Store(cfg.store_url, cfg.table_prefix)
+    try:
+        schema = migrations.describe(store.engine, cfg.table_prefix)
+        if schema["current"] != schema["head"] and cfg.migrates_itself:
+            store.migrate()  # as the first worker would
+            schema = migrations.describe(store.engine, cfg.table_prefix)
+        data["schema"] = schema
+        if schema["current"] != schema["head"]:
+            state = ("missing" if schema["current"] is None
+                     else f"at revision {schema['current']}, expected {schema['head']}")
+            data["error"] = (f"the schema of the store {describe_store(cfg)} is {state}: "
+                             f"run `{migrate_command}`")
+            return data, 1
+        data.update(_status_data(store))
+    except (ResilientError, SQLAlchemyError) as exc:
+        data["error"] = _store_error(cfg, exc)
+        return data, 1
+    finally:
+        store.dispose()
+    return data, 0
+
+
+def _status_data(store: Store) -> dict[str, Any]:
+    s = AdminQueries(store).status()
     now = s.now
+    open_rows = [w for st in OPEN_STATES for w in store.list_work(state=st, limit=MAX_OPEN)]
+    open_rows.sort(key=lambda w: (w.lease_expires_at is None, w.lease_expires_at or 0.0))
     oldest = None if s.oldest_lease is None else {
         "work_key": s.oldest_lease[0], "expires_at": _iso(s.oldest_lease[1]),
         "left_s": round(s.oldest_lease[1] - now, 1)}
-    data: dict[str, Any] = {
-        "store": sanitize_url(rt.config.store_url),
-        "table_prefix": rt.config.table_prefix,
+    return {
         "now": _iso(now),
         "work": s.by_state,
         "open_by_owner": [{"state": st, "owner": o, "count": n} for st, o, n in s.by_owner],
+        "open": [{"work_key": w.work_key, "task": w.task_name, "state": w.state,
+                  "owner": w.owner_node,
+                  "lease_left_s": None if w.lease_expires_at is None
+                  else round(w.lease_expires_at - now, 1),
+                  "attempts": w.attempts, "deaths": w.deaths}
+                 for w in open_rows[:MAX_OPEN]],
         "oldest_lease": oldest,
         "expired_leases": s.expired_leases,
         "dead": [{"work_key": w.work_key, "task": w.task_name, "deaths": w.deaths,
@@ -285,39 +430,67 @@ def status(ctx: click.Context, as_json: bool) -> None:
                      "heartbeat_age_s": round(now - h, 1), "stopped_at": _iso(st)}
                     for n, i, h, st in s.workers],
     }
-    if as_json:
-        _echo_json(data)
+
+
+def _since(iso: str | None, now: float) -> str:
+    if iso is None:
+        return "-"
+    return _ago(datetime.fromisoformat(iso).timestamp(), now)
+
+
+def render_status(data: dict[str, Any], echo: Callable[[str], Any],
+                  error: Callable[[str], Any]) -> None:
+    """The human form of :func:`status_report`, one line per ``echo`` call."""
+    echo(f"store: {data['store']} (prefix {data['table_prefix']})")
+    if "error" in data:
+        error(f"Error: {data['error']}")
         return
-    click.echo(f"store: {data['store']} (prefix {data['table_prefix']})")
-    click.echo("work by state:")
-    _table(("state", "count"), [(st, s.by_state.get(st, 0)) for st in STATES
-                                if s.by_state.get(st)] +
-           [(st, n) for st, n in sorted(s.by_state.items()) if st not in STATES])
-    click.echo("open claims by owner:")
-    _table(("state", "owner", "count"), s.by_owner)
-    if s.oldest_lease is None:
-        click.echo("oldest lease: -")
+    now = datetime.fromisoformat(data["now"]).timestamp()
+    by_state: dict[str, int] = data["work"]
+    lines: list[str] = []
+    out = lines.append
+    out("work by state:")
+    _rows(out, ("state", "count"),
+          [(st, by_state.get(st, 0)) for st in STATES if by_state.get(st)]
+          + [(st, n) for st, n in sorted(by_state.items()) if st not in STATES])
+    out("open claims by owner:")
+    _rows(out, ("state", "owner", "count"),
+          [(o["state"], o["owner"], o["count"]) for o in data["open_by_owner"]])
+    oldest = data["oldest_lease"]
+    if oldest is None:
+        out("oldest lease: -")
     else:
-        key, at = s.oldest_lease
-        state = "EXPIRED " if at < now else ""
-        click.echo(f"oldest lease: {key} {state}(expires {_ago(at, now)})")
-    if s.expired_leases:
-        click.echo(f"expired leases: {s.expired_leases} (re-published by the next sweep, or "
-                   "now by `resilient recover`)")
-    click.echo(f"dead work: {s.by_state.get(DEAD, 0)}")
-    _table(("work key", "task", "deaths", "since", "reason"),
-           [(w.work_key, w.task_name, w.deaths, _ago(w.updated_at, now),
-             (w.error or "")[:60]) for w in s.dead])
-    click.echo(f"beat slots claimed, not sent: {s.slots_pending}"
-               + ("" if s.oldest_pending_slot_claim is None
-                  else f" (oldest claimed {_ago(s.oldest_pending_slot_claim, now)})"))
-    click.echo(f"contexts: {s.contexts}"
-               + ("" if s.oldest_context is None
-                  else f" (oldest written {_ago(s.oldest_context, now)})"))
-    click.echo("workers (latest heartbeats):")
-    _table(("node", "incarnation", "heartbeat", "stopped"),
-           [(n, i[:12], _ago(h, now), "-" if st is None else _ago(st, now))
-            for n, i, h, st in s.workers])
+        expired = "EXPIRED " if oldest["left_s"] < 0 else ""
+        out(f"oldest lease: {oldest['work_key']} {expired}"
+            f"(expires {_since(oldest['expires_at'], now)})")
+    if data["expired_leases"]:
+        out(f"expired leases: {data['expired_leases']} (re-published by the next sweep, or "
+            "now by `resilient recover`)")
+    if data["open"]:
+        out(f"open claims (up to {MAX_OPEN}, soonest expiry first):")
+        _rows(out, ("work key", "task", "state", "owner", "lease", "att", "deaths"),
+              [(o["work_key"], o["task"], o["state"], o["owner"],
+                None if o["lease_left_s"] is None else _lease(now + o["lease_left_s"], now),
+                o["attempts"], o["deaths"]) for o in data["open"]])
+    out(f"dead work: {by_state.get(DEAD, 0)}")
+    _rows(out, ("work key", "task", "deaths", "since", "reason"),
+          [(d["work_key"], d["task"], d["deaths"], _since(d["updated_at"], now),
+            (d["error"] or "")[:60]) for d in data["dead"]])
+    beat = data["beat"]
+    out(f"beat slots claimed, not sent: {beat['slots_pending']}"
+        + ("" if beat["oldest_pending_claim"] is None
+           else f" (oldest claimed {_since(beat['oldest_pending_claim'], now)})"))
+    ctxs = data["contexts"]
+    out(f"contexts: {ctxs['count']}" + ("" if ctxs["oldest_write"] is None
+                                        else f" (oldest written "
+                                             f"{_since(ctxs['oldest_write'], now)})"))
+    out("workers (latest heartbeats):")
+    _rows(out, ("node", "incarnation", "heartbeat", "stopped"),
+          [(x["node"], x["incarnation"][:12], _since(x["heartbeat_at"], now),
+            "-" if x["stopped_at"] is None else _since(x["stopped_at"], now))
+           for x in data["workers"]])
+    for line in lines:
+        echo(line)
 
 
 @resilient.group(name="work", invoke_without_command=True)
@@ -333,16 +506,17 @@ def work(ctx: click.Context, states: tuple[str, ...], task: str | None, owner: s
     """List work (most recently changed first); `work show KEY` for one unit."""
     if ctx.invoked_subcommand is not None:
         return
-    _, store = _store(ctx)
-    rows = _run(lambda: AdminQueries(store).list_work(states, task, owner, limit))
-    now = _run(store.now)
-    if as_json:
-        _echo_json([_work_dict(w, now) for w in rows])
-        return
-    _table(("work key", "task", "state", "owner", "lease", "att", "deaths", "updated"),
-           [(w.work_key, w.task_name, w.state, w.owner_node,
-             None if w.lease_expires_at is None else _lease(w.lease_expires_at, now),
-             w.attempts, w.deaths, _ago(w.updated_at, now)) for w in rows], indent="")
+    with _json_errors(as_json):
+        _, store = _store(ctx, as_json)
+        rows = _run(lambda: AdminQueries(store).list_work(states, task, owner, limit))
+        now = _run(store.now)
+        if as_json:
+            _echo_json([_work_dict(w, now) for w in rows])
+            return
+        _table(("work key", "task", "state", "owner", "lease", "att", "deaths", "updated"),
+               [(w.work_key, w.task_name, w.state, w.owner_node,
+                 None if w.lease_expires_at is None else _lease(w.lease_expires_at, now),
+                 w.attempts, w.deaths, _ago(w.updated_at, now)) for w in rows], indent="")
 
 
 def _lease(at: float, now: float) -> str:
@@ -355,58 +529,60 @@ def _lease(at: float, now: float) -> str:
 @click.pass_context
 def work_show(ctx: click.Context, work_key: str, as_json: bool) -> None:
     """One unit of work with its checkpoint, steps, ledger marks, error and result."""
-    _, store = _store(ctx)
-    detail = _run(lambda: AdminQueries(store).work_detail(work_key))
-    if detail is None:
-        raise click.ClickException(f"no work is stored under {work_key!r}")
-    now = _run(store.now)
-    w = detail.work
-    cp = detail.checkpoint
-    data = _work_dict(w, now)
-    data.update({
-        "result": _json_value(w.result_json),
-        "checkpoint": None if cp is None else {
-            "seq": cp.seq, "epoch": cp.epoch, "updated_at": _iso(cp.updated_at),
-            "state": _json_value(cp.state_json)},
-        "steps": [{"name": s.name, "epoch": s.epoch, "at": _iso(s.created_at),
-                   "result": _json_value(s.result_json)} for s in detail.steps],
-        "ledger": [{"key": x.key, "epoch": x.epoch, "applied_at": _iso(x.applied_at)}
-                   for x in detail.ledger],
-        "message": None if detail.message_route is None else {
-            "exchange": detail.message_route[0], "routing_key": detail.message_route[1]},
-    })
-    if as_json:
-        _echo_json(data)
-        return
-    for label, value in (
-            ("work key", w.work_key), ("task", f"{w.task_name} (task id {w.task_id})"),
-            ("state", w.state), ("epoch", w.epoch),
-            ("owner", "-" if w.owner_node is None
-             else f"{w.owner_node} incarnation {w.incarnation} pid {w.owner_pid}"),
-            ("lease", "-" if w.lease_expires_at is None else _lease(w.lease_expires_at, now)),
-            ("attempts", f"{w.attempts} (deaths {w.deaths}, re-published {w.republished})"),
-            ("created", f"{_iso(w.created_at)} ({_ago(w.created_at, now)})"),
-            ("updated", f"{_iso(w.updated_at)} ({_ago(w.updated_at, now)})"),
-            ("finished", _iso(w.finished_at) or "-"),
-            ("message", "not stored (cannot be re-published)" if detail.message_route is None
-             else f"stored (exchange {detail.message_route[0]!r}, "
-                  f"routing key {detail.message_route[1]!r})")):
-        click.echo(f"{label + ':':<10} {value}")
-    if w.error:
-        click.echo(f"error:     {w.error}")
-    if w.result_json is not None:
-        click.echo(f"result:    {w.result_json}")
-    if cp is None:
-        click.echo("checkpoint: none")
-    else:
-        click.echo(f"checkpoint: #{cp.seq} at epoch {cp.epoch}, saved {_ago(cp.updated_at, now)}")
-        click.echo(f"  {cp.state_json}")
-    click.echo("steps:")
-    _table(("name", "epoch", "at", "result"),
-           [(s.name, s.epoch, _iso(s.created_at), s.result_json[:60]) for s in detail.steps])
-    click.echo("ledger:")
-    _table(("key", "epoch", "applied"),
-           [(x.key, x.epoch, _iso(x.applied_at)) for x in detail.ledger])
+    with _json_errors(as_json):
+        _, store = _store(ctx, as_json)
+        detail = _run(lambda: AdminQueries(store).work_detail(work_key))
+        if detail is None:
+            raise click.ClickException(f"no work is stored under {work_key!r}")
+        now = _run(store.now)
+        w = detail.work
+        cp = detail.checkpoint
+        data = _work_dict(w, now)
+        data.update({
+            "result": _json_value(w.result_json),
+            "checkpoint": None if cp is None else {
+                "seq": cp.seq, "epoch": cp.epoch, "updated_at": _iso(cp.updated_at),
+                "state": _json_value(cp.state_json)},
+            "steps": [{"name": s.name, "epoch": s.epoch, "at": _iso(s.created_at),
+                       "result": _json_value(s.result_json)} for s in detail.steps],
+            "ledger": [{"key": x.key, "epoch": x.epoch, "applied_at": _iso(x.applied_at)}
+                       for x in detail.ledger],
+            "message": None if detail.message_route is None else {
+                "exchange": detail.message_route[0], "routing_key": detail.message_route[1]},
+        })
+        if as_json:
+            _echo_json(data)
+            return
+        for label, value in (
+                ("work key", w.work_key), ("task", f"{w.task_name} (task id {w.task_id})"),
+                ("state", w.state), ("epoch", w.epoch),
+                ("owner", "-" if w.owner_node is None
+                 else f"{w.owner_node} incarnation {w.incarnation} pid {w.owner_pid}"),
+                ("lease", "-" if w.lease_expires_at is None else _lease(w.lease_expires_at, now)),
+                ("attempts", f"{w.attempts} (deaths {w.deaths}, re-published {w.republished})"),
+                ("created", f"{_iso(w.created_at)} ({_ago(w.created_at, now)})"),
+                ("updated", f"{_iso(w.updated_at)} ({_ago(w.updated_at, now)})"),
+                ("finished", _iso(w.finished_at) or "-"),
+                ("message", "not stored (cannot be re-published)" if detail.message_route is None
+                 else f"stored (exchange {detail.message_route[0]!r}, "
+                      f"routing key {detail.message_route[1]!r})")):
+            click.echo(f"{label + ':':<10} {value}")
+        if w.error:
+            click.echo(f"error:     {w.error}")
+        if w.result_json is not None:
+            click.echo(f"result:    {w.result_json}")
+        if cp is None:
+            click.echo("checkpoint: none")
+        else:
+            click.echo(f"checkpoint: #{cp.seq} at epoch {cp.epoch}, "
+                       f"saved {_ago(cp.updated_at, now)}")
+            click.echo(f"  {cp.state_json}")
+        click.echo("steps:")
+        _table(("name", "epoch", "at", "result"),
+               [(s.name, s.epoch, _iso(s.created_at), s.result_json[:60]) for s in detail.steps])
+        click.echo("ledger:")
+        _table(("key", "epoch", "applied"),
+               [(x.key, x.epoch, _iso(x.applied_at)) for x in detail.ledger])
 
 
 def _candidate_dict(c: OrphanCandidate, now: float) -> dict[str, Any]:
@@ -426,46 +602,51 @@ def _candidate_dict(c: OrphanCandidate, now: float) -> dict[str, Any]:
 @click.pass_context
 def recover(ctx: click.Context, dry_run: bool, node: str | None, as_json: bool) -> None:
     """Re-publish orphaned work now (open claims whose lease expired), with its task id."""
-    rt, store = _store(ctx)
-    batch = rt.config.sweep_batch
-    queries = AdminQueries(store)
-    candidates = _run(lambda: queries.orphan_candidates(batch, node))
-    now = _run(store.now)
-    if dry_run:
-        if as_json:
-            _echo_json({"dry_run": True, "would_republish": [
-                _candidate_dict(c, now) for c in candidates]})
+    with _json_errors(as_json):
+        rt, store = _store(ctx, as_json)
+        batch = rt.config.sweep_batch
+        queries = AdminQueries(store)
+        candidates = _run(lambda: queries.orphan_candidates(batch, node))
+        now = _run(store.now)
+        if dry_run:
+            if as_json:
+                _echo_json({"dry_run": True, "would_republish": [
+                    _candidate_dict(c, now) for c in candidates]})
+                return
+            click.echo(f"{len(candidates)} orphan(s) would be re-published"
+                       + (" (first batch)" if len(candidates) >= batch else ""))
+            _show_candidates(candidates, now)
             return
-        click.echo(f"{len(candidates)} orphan(s) would be re-published"
-                   + (" (first batch)" if len(candidates) >= batch else ""))
-        _show_candidates(candidates, now)
-        return
-    from . import recovery
+        from . import recovery
 
-    ctx.call_on_close(rt.store.dispose)  # the sweep below uses the app's store
-    who = Owner(node or f"resilient-cli@{socket.gethostname()}", uuid.uuid4().hex, os.getpid())
-    sent = _run(lambda: recovery.sweep(rt, who))
-    sent_keys = {o.work_key for o in sent}
-    missed = [c for c in candidates if c.work_key not in sent_keys]
-    more = len(sent) >= batch
-    if as_json:
-        _echo_json({"dry_run": False,
-                    "republished": [{"work_key": o.work_key, "task": o.task_name,
-                                     "task_id": o.task_id, "previous_state": o.previous_state,
-                                     "previous_owner": o.previous_owner} for o in sent],
-                    "not_republished": [_candidate_dict(c, now) for c in missed],
-                    "more": more})
-        return
-    click.echo(f"re-published {len(sent)} orphan(s)")
-    _table(("work key", "task", "task id", "was", "previous owner"),
-           [(o.work_key, o.task_name, o.task_id, o.previous_state, o.previous_owner)
-            for o in sent])
-    if missed:
-        click.echo(f"{len(missed)} listed before but not re-published here (no stored message, "
-                   "publish failed, or taken by a worker's sweeper meanwhile; see the log):")
-        _show_candidates(missed, now)
-    if more:
-        click.echo(f"a full batch (resilient_sweep_batch={batch}) was sent: run again for more")
+        ctx.call_on_close(rt.store.dispose)  # the sweep below uses the app's store
+        who = Owner(node or f"resilient-cli@{socket.gethostname()}", uuid.uuid4().hex,
+                    os.getpid())
+        sent = _run(lambda: recovery.sweep(rt, who))
+        sent_keys = {o.work_key for o in sent}
+        missed = [c for c in candidates if c.work_key not in sent_keys]
+        more = len(sent) >= batch
+        if as_json:
+            _echo_json({"dry_run": False,
+                        "republished": [{"work_key": o.work_key, "task": o.task_name,
+                                         "task_id": o.task_id,
+                                         "previous_state": o.previous_state,
+                                         "previous_owner": o.previous_owner} for o in sent],
+                        "not_republished": [_candidate_dict(c, now) for c in missed],
+                        "more": more})
+            return
+        click.echo(f"re-published {len(sent)} orphan(s)")
+        _table(("work key", "task", "task id", "was", "previous owner"),
+               [(o.work_key, o.task_name, o.task_id, o.previous_state, o.previous_owner)
+                for o in sent])
+        if missed:
+            click.echo(f"{len(missed)} listed before but not re-published here (no stored "
+                       "message, publish failed, or taken by a worker's sweeper meanwhile; see "
+                       "the log):")
+            _show_candidates(missed, now)
+        if more:
+            click.echo(f"a full batch (resilient_sweep_batch={batch}) was sent: run again "
+                       "for more")
 
 
 def _show_candidates(candidates: Sequence[OrphanCandidate], now: float) -> None:
@@ -497,34 +678,41 @@ def prune(ctx: click.Context, older_than: str | None, ledger: bool, dry_run: boo
         if older_than is None:
             raise click.UsageError("--older-than is required (e.g. --older-than 30d)")
         seconds = _duration(older_than, "--older-than")
-        _, store = _store(ctx)
+        rt, store = _store(ctx, as_json)
         queries = AdminQueries(store)
+        lease = rt.config.lease_seconds
         counts: PruneCounts
         if dry_run:
             counts = _run(lambda: queries.prune_counts(seconds, ledger=ledger))
+            workers = _run(lambda: prune_workers_count(store, seconds, lease))
         elif yes:
             counts = _run(lambda: queries.prune(seconds, ledger=ledger))
+            workers = _run(lambda: prune_workers(store, seconds, lease))
         else:
             planned: PruneCounts = _run(lambda: queries.prune_counts(seconds, ledger=ledger))
-            if planned.total == 0:
+            workers = _run(lambda: prune_workers_count(store, seconds, lease))
+            if planned.total + workers == 0:
                 counts = planned  # nothing to confirm: nothing is deleted
             else:
-                _confirm(f"delete {_prune_summary(planned)}, older than {_span(seconds)}?",
-                         "prune")
+                _confirm(f"delete {_prune_summary(planned, workers)}, older than "
+                         f"{_span(seconds)}?", "prune")
                 counts = _run(lambda: queries.prune(seconds, ledger=ledger))
+                workers = _run(lambda: prune_workers(store, seconds, lease))
     if as_json:
-        _echo_json({"dry_run": dry_run, "older_than_s": seconds, "ledger": ledger,
-                    ("would_delete" if dry_run else "deleted"): counts.as_dict()})
+        _echo_json({"store": sanitize_url(rt.config.store_url), "dry_run": dry_run,
+                    "older_than_s": seconds, "ledger": ledger,
+                    ("would_delete" if dry_run else "deleted"): {**counts.as_dict(),
+                                                                  "workers": workers}})
         return
     verb = "would delete" if dry_run else "deleted"
-    click.echo(f"older than {_span(seconds)}: {verb} {_prune_summary(counts)}"
+    click.echo(f"older than {_span(seconds)}: {verb} {_prune_summary(counts, workers)}"
                + ("" if ledger else " (ledger markers kept: --ledger deletes them)"))
 
 
-def _prune_summary(counts: PruneCounts) -> str:
+def _prune_summary(counts: PruneCounts, workers: int) -> str:
     return (f"{counts.work} ended work ({counts.checkpoints} checkpoints, {counts.steps} "
-            f"steps), {counts.ledger} ledger markers and {counts.revocations} revocation "
-            "tombstones")
+            f"steps), {counts.ledger} ledger markers, {counts.revocations} revocation "
+            f"tombstones and {workers} stopped worker starts")
 
 
 # -- cancel, retry, forget --------------------------------------------------------------------
@@ -571,7 +759,7 @@ def _operate(ctx: click.Context, action: str, work_keys: tuple[str, ...],
             selection = selection.checked(action)
         except SelectionError as exc:
             raise click.UsageError(str(exc)) from None
-        rt, _ = _store(ctx)  # the schema is checked, never created
+        rt, _ = _store(ctx, as_json)  # the schema is checked (migrated only as a worker would)
         ctx.call_on_close(rt.store.dispose)
         if dry_run:
             report = _run(lambda: act(rt, selection, True))
@@ -692,25 +880,26 @@ def forget(ctx: click.Context, work_keys: tuple[str, ...], states: tuple[str, ..
 @click.pass_context
 def schedule(ctx: click.Context, prefix: str | None, as_json: bool) -> None:
     """Beat entries: last slot sent, next slot, missed slots, slots claimed but not sent."""
-    rt, store = _store(ctx)
-    app = rt.app
-    if prefix is None:
-        redbeat_conf = getattr(app, "redbeat_conf", None)
-        prefix = str(getattr(redbeat_conf, "key_prefix", "") or "")
-    entries = _run(lambda: AdminQueries(store).schedule(prefix))
-    now = _run(store.now)
-    rows = [_entry_dict(app, e, now) for e in entries]
-    if as_json:
-        _echo_json(rows)
-        return
-    _table(("entry", "task", "last slot", "next slot", "missed", "pending", "sent", "skipped"),
-           [(r["name"], r["task"], r["last_slot"],
-             r["next_slot"] if r["next_slot"] is not None else "?",
-             "?" if r["missed"] is None else r["missed"], r["pending"], r["sent"], r["skipped"])
-            for r in rows], indent="")
-    notes = {r["note"] for r in rows if r["note"]}
-    for note in sorted(notes):
-        click.echo(f"note: {note}")
+    with _json_errors(as_json):
+        rt, store = _store(ctx, as_json)
+        app = rt.app
+        if prefix is None:
+            redbeat_conf = getattr(app, "redbeat_conf", None)
+            prefix = str(getattr(redbeat_conf, "key_prefix", "") or "")
+        entries = _run(lambda: AdminQueries(store).schedule(prefix))
+        now = _run(store.now)
+        rows = [_entry_dict(app, e, now) for e in entries]
+        if as_json:
+            _echo_json(rows)
+            return
+        _table(("entry", "task", "last slot", "next slot", "missed", "pending", "sent", "skipped"),
+               [(r["name"], r["task"], r["last_slot"],
+                 r["next_slot"] if r["next_slot"] is not None else "?",
+                 "?" if r["missed"] is None else r["missed"], r["pending"], r["sent"], r["skipped"])
+                for r in rows], indent="")
+        notes = {r["note"] for r in rows if r["note"]}
+        for note in sorted(notes):
+            click.echo(f"note: {note}")
 
 
 def _entry_dict(app: Any, e: EntrySlots, now: float) -> dict[str, Any]:

@@ -6,10 +6,13 @@ Every setting is documented in ``docs/configuration.md``; an invalid value raise
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import math
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -22,10 +25,26 @@ CATCHUP_POLICIES = ("all", "latest", "skip")
 SHUTDOWN_MODES = ("hand_off", "drain")
 
 
-def default_store_url() -> str:
-    """An SQLite file in the working directory: durable across restarts, zero setup."""
+def default_store_url(conf: Mapping[str, Any] | None = None) -> str:
+    """The store when no ``resilient_store_url`` is set.
+
+    For workers, an SQLite file in the working directory: durable across restarts, zero
+    setup. For an app in eager mode (``task_always_eager``, which runs tests and scripts, not
+    workers), a fresh SQLite file in a temporary directory removed when the process exits:
+    eager runs never write into the working directory nor see an earlier run's work.
+    """
+    if conf is not None and conf.get("task_always_eager"):  # truthy, as Celery reads it
+        return f"sqlite:///{_temporary_store_path()}"
     path = os.path.abspath("celery-resilient.sqlite3")
     return f"sqlite:///{path}"
+
+
+def _temporary_store_path() -> str:
+    # A file, not ":memory:": SQLAlchemy gives each thread its own in-memory database, and
+    # eager tasks may be applied from several threads of one test process.
+    folder = tempfile.mkdtemp(prefix="celery-resilient-eager-")
+    atexit.register(shutil.rmtree, folder, True)
+    return os.path.join(folder, "store.sqlite3")
 
 
 @dataclass(frozen=True)
@@ -87,7 +106,7 @@ class ResilientConfig:
             values[f.name] = _coerce(key, value, _CHECKS.get(f.name))
         config = cls(**values)
         if not config.store_url:
-            config = _replace(config, store_url=default_store_url())
+            config = _replace(config, store_url=default_store_url(conf))
         config.validate()
         return config
 

@@ -1,7 +1,8 @@
-"""pytest fixtures for resilience tests with real processes.
+"""pytest fixtures: real processes for resilience tests, an isolated store for unit tests.
 
 Enable with ``pytest_plugins = ["celery_resilient.testing.plugin"]``. Every node a test
-starts through ``resilient_nodes`` is SIGKILLed at teardown, so no process outlives it.
+starts through ``resilient_nodes`` is SIGKILLed at teardown, so no process outlives it;
+``resilient_store`` gives each test a store of its own.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
+from celery._state import _get_active_apps
 
+from ..app import Resilient
 from .effects import EffectLog
 from .nodes import LocalBeat, LocalWorker
+from .stores import table_prefix, use_store
 
 
 class NodeFactory:
@@ -61,3 +66,51 @@ def resilient_nodes(tmp_path: Path, effect_log: EffectLog,
     factory = NodeFactory(tmp_path / "logs", env, None)
     yield factory
     factory.teardown()
+
+
+class IsolatedStore:
+    """A store of one test's own: a fresh SQLite file, used by the apps it is applied to."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.url = f"sqlite:///{path}"
+        self._undo: list[Any] = []
+        self._applied: list[Celery] = []
+        self._migrated: set[str] = set()
+
+    def apply(self, app: Celery) -> Resilient:
+        """Point ``app`` (with ``Resilient`` applied) at this store until the test ends."""
+        if not any(a is app for a in self._applied):
+            prefix = table_prefix(app)
+            self._undo.append(use_store(app, self.url, migrate=prefix not in self._migrated))
+            self._migrated.add(prefix)
+            self._applied.append(app)
+        return Resilient.of(app)
+
+    @property
+    def apps(self) -> list[Celery]:
+        return list(self._applied)
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        self._applied.clear()
+
+
+@pytest.fixture
+def resilient_store(tmp_path: Path) -> Iterator[IsolatedStore]:
+    """A fresh store for this test, applied to every live Celery app with ``Resilient``.
+
+    Eager tasks, ``.apply()`` and ``self.ledger`` then write into an SQLite file under
+    ``tmp_path`` (schema created), so two tests using the same task id never see each
+    other's work; the apps get their previous store back at teardown. Apply it to an app
+    created later with ``resilient_store.apply(app)``.
+    """
+    isolated = IsolatedStore(tmp_path / "resilient-store.sqlite3")
+    try:
+        for app in list(_get_active_apps()):
+            if Resilient.enabled_on(app) is not None:
+                isolated.apply(app)
+        yield isolated
+    finally:
+        isolated.restore()

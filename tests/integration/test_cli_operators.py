@@ -154,7 +154,7 @@ def test_status_masks_the_store_password(pg_url: str, table_prefix: str,
 
 def test_commands_refuse_a_store_without_schema(tmp_path: Path, redis_url: str) -> None:
     store = Store(f"sqlite:///{tmp_path}/empty.sqlite3", "resilient_")
-    app = make_app(store, redis_url)
+    app = make_app(store, redis_url, resilient_auto_migrate=False)  # as a worker: no migration
     result = invoke(app, "status")
     assert result.exit_code == 1
     assert "resilient migrate" in result.output
@@ -351,7 +351,7 @@ def test_prune_dry_run_counts_then_deletes_only_old_finished_work(
     # Ledger markers are deleted only with --ledger (the default changed from on to off).
     dry = invoke_json(app, "prune", "--older-than", "7d", "--dry-run", "--ledger")
     assert dry["would_delete"] == {"work": 3, "checkpoints": 1, "steps": 2, "ledger": 1,
-                                   "revocations": 0}
+                                   "revocations": 0, "workers": 0}
     assert store.get_work("old-done") is not None  # nothing deleted
     assert store.load_checkpoint("old-done") is not None
     assert "would delete 3 ended work" in invoke(
@@ -364,7 +364,7 @@ def test_prune_dry_run_counts_then_deletes_only_old_finished_work(
 
     done = invoke_json(app, "prune", "--older-than", "7d", "--ledger", "--yes")
     assert done["deleted"] == {"work": 3, "checkpoints": 1, "steps": 2, "ledger": 1,
-                               "revocations": 0}
+                               "revocations": 0, "workers": 0}
     for key in ("old-done", "old-dead", "old-failed"):
         assert store.get_work(key) is None
     assert store.load_checkpoint("old-done") is None
@@ -405,7 +405,8 @@ def test_prune_deletes_ledger_markers_only_with_ledger(store: Store, app: Celery
     human = invoke(app, "prune", "--older-than", "7d", "--yes")
     assert "ledger markers kept: --ledger deletes them" in human.output
     deleted = invoke_json(app, "prune", "--older-than", "7d", "--yes", "--ledger")["deleted"]
-    assert deleted == {"work": 0, "checkpoints": 0, "steps": 0, "ledger": 1, "revocations": 0}
+    assert deleted == {"work": 0, "checkpoints": 0, "steps": 0, "ledger": 1, "revocations": 0,
+                       "workers": 0}
     assert store.ledger_get("global:1") is None
 
 
@@ -942,3 +943,88 @@ def test_cancel_shows_revoked_to_the_caller_at_once(store: Store, redis_url: str
             result.forget()
     finally:
         app.close()
+
+
+# -- issue 12: workers pruned, JSON errors, the embedded SQLite default, migrate --json ----------
+
+def test_prune_deletes_old_stopped_worker_starts_never_a_live_one(
+        store: Store, app: Celery) -> None:
+    from .helpers import died, expire_incarnation, started
+
+    day = 86_400.0
+    wk = store.t.workers
+    stopped_old = owner("old@host")
+    died(store, stopped_old)
+    killed_old = started(store, owner("killed@host"))  # SIGKILLed, never declared dead
+    expire_incarnation(store, killed_old, 10 * day)
+    holder = started(store, owner("holder@host"))  # gone long ago but still owns open work
+    run(store, "k-held", holder)
+    expire_incarnation(store, holder, 10 * day)
+    live = started(store, owner("live@host"))
+    stopped_new = owner("recent@host")
+    died(store, stopped_new)
+    with store.begin() as conn:
+        conn.execute(update(wk).where(wk.c.incarnation == stopped_old.incarnation)
+                     .values(stopped_at=store.now() - 10 * day))
+
+    dry = invoke_json(app, "prune", "--older-than", "7d", "--dry-run")
+    assert dry["would_delete"]["workers"] == 2
+    done = invoke_json(app, "prune", "--older-than", "7d", "--yes")
+    assert done["deleted"]["workers"] == 2
+    with store.engine.connect() as conn:
+        left = set(conn.execute(select(wk.c.incarnation)).scalars())
+    assert left == {holder.incarnation, live.incarnation, stopped_new.incarnation}
+    # A cutoff of one second never reaches a worker whose lease is live.
+    with store.begin() as conn:
+        conn.execute(update(wk).where(wk.c.incarnation == stopped_new.incarnation)
+                     .values(stopped_at=store.now() - 5))
+    assert invoke_json(app, "prune", "--older-than", "1s", "--yes")["deleted"]["workers"] == 1
+    with store.engine.connect() as conn:
+        assert live.incarnation in set(conn.execute(select(wk.c.incarnation)).scalars())
+    human = invoke(app, "prune", "--older-than", "7d", "--yes")
+    assert "0 stopped worker starts" in human.output and "store: " in human.output
+
+
+def test_json_errors_are_json_with_the_exit_code(tmp_path: Path, redis_url: str) -> None:
+    store = Store(f"sqlite:///{tmp_path}/empty.sqlite3", "resilient_")
+    app = make_app(store, redis_url, resilient_auto_migrate=False)
+    for args in (("status",), ("work",), ("work", "show", "k"), ("recover", "--dry-run"),
+                 ("schedule",), ("cancel", "k")):
+        result = invoke(app, *args, "--json")
+        assert result.exit_code == 1, (args, result.output)
+        data = json.loads(result.stdout)
+        assert "missing" in data["error"] and "resilient migrate" in data["error"], args
+        assert "Traceback" not in result.output
+    human = invoke(app, "status")
+    assert human.exit_code == 1 and "Error: the schema of the store sqlite:///" in human.output
+
+
+def test_status_on_the_embedded_sqlite_default_migrates_as_the_worker_would(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any worker started, the default store is not 'missing': the worker would
+    create it itself, and so does the CLI (resilient_auto_migrate unset)."""
+    monkeypatch.chdir(tmp_path)
+    app = Celery(f"cli-{uuid.uuid4().hex[:6]}", broker=redis_url, set_as_current=False)
+    Resilient(app)
+    try:
+        result = invoke(app, "status", "--json")
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        assert data["store"] == f"sqlite:///{tmp_path}/celery-resilient.sqlite3"
+        assert data["schema"]["current"] == data["schema"]["head"]
+        assert data["work"] == {} and data["workers"] == [] and data["open"] == []
+    finally:
+        app.close()
+
+
+def test_migrate_takes_json(tmp_path: Path, redis_url: str) -> None:
+    store = Store(f"sqlite:///{tmp_path}/m.sqlite3", "resilient_")
+    app = make_app(store, redis_url, resilient_auto_migrate=False)
+    first = invoke_json(app, "migrate")
+    assert first["changed"] and first["before"] is None
+    assert first["revision"] == first["head"] and first["store"].endswith("/m.sqlite3")
+    again = invoke_json(app, "migrate")
+    assert not again["changed"] and again["before"] == again["revision"]
+    human = invoke(app, "migrate")
+    assert "(already current)" in human.output
+    store.dispose()

@@ -26,7 +26,13 @@ class CeleryResilientConfig(AppConfig):  # type: ignore[misc]
         # configure_from_django(app) itself.
         for app in resilient_apps():
             configure_from_django(app)
+        from .testdb import follow_test_databases  # the store follows test databases
+
+        follow_test_databases()
         checks.register(check_settings, "celery_resilient")
+        from .checks import check_store_schema
+
+        checks.register(check_store_schema, "celery_resilient", checks.Tags.database)
 
 
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:

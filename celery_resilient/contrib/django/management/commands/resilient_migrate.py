@@ -1,32 +1,36 @@
 """``manage.py resilient_migrate``: create or upgrade the store's schema (its Alembic
-migrations, not Django's: the admin's models are unmanaged)."""
+migrations, not Django's: the admin's models are unmanaged). The same implementation as
+``celery -A proj resilient migrate``."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from .....config import sanitize_url
-from .....store import migrate as migrations
-from .....store.sql import Store
+from .....cli import migrate_report, migrate_text
+from .....errors import ResilientError
 from ...conf import store_config
 
 
 class Command(BaseCommand):  # type: ignore[misc]
     help = "Create or upgrade the celery-resilient store's schema to the current revision."
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        cfg = store_config()
-        store = Store(cfg.store_url, cfg.table_prefix)
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--json", action="store_true", dest="as_json",
+                            help="machine-readable output (errors too)")
+
+    def handle(self, *args: Any, as_json: bool = False, **options: Any) -> None:
         try:
-            before = migrations.current_revision(store.engine, cfg.table_prefix)
-            store.migrate()
-            info = migrations.describe(store.engine, cfg.table_prefix)
-        finally:
-            store.dispose()
-        change = ("already current" if before == info["current"]
-                  else f"upgraded from {before or 'nothing'}")
-        self.stdout.write(
-            f"schema of {sanitize_url(cfg.store_url)} (prefix {cfg.table_prefix}) is at "
-            f"revision {info['current']} ({change})")
+            cfg = store_config()
+        except ResilientError as exc:
+            data, code = {"error": f"{type(exc).__name__}: {exc}"}, 1
+        else:
+            data, code = migrate_report(cfg)
+        if as_json:
+            self.stdout.write(json.dumps(data, indent=2))
+        if code:
+            raise CommandError(data["error"], returncode=code)
+        if not as_json:
+            self.stdout.write(migrate_text(data))
