@@ -71,8 +71,9 @@ def sweep(rt: Resilient, owner: Owner, judge_leases: bool = True) -> list[Orphan
                             "sweep", orphan.work_key, exc, len(unsent),
                             extra={**extra, "action": "republish_failed"})
                 break
-            log.info("re-published orphaned work %s (was %s on %s)", orphan.work_key,
-                     orphan.previous_state, orphan.previous_owner, extra=extra)
+            log.info("re-published orphaned work %s (was %s%s)", orphan.work_key,
+                     orphan.previous_state, f" on {orphan.previous_owner}"
+                     if orphan.previous_owner else ", no owner", extra=extra)
             signals.send(signals.work_recovered, rt.app, orphan.task_name,
                          work_key=orphan.work_key, task_id=orphan.task_id,
                          previous_state=orphan.previous_state,

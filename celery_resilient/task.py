@@ -7,6 +7,7 @@ state commit together before Celery acknowledges the message.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -53,6 +54,14 @@ class ResumableTask(Task):  # type: ignore[misc]
     #: The main process's request: records a hard time limit as the task's failure, and
     #: releases the message from the worker's held requests when it is acked or rejected.
     Request = "celery_resilient.outcomes:ResumableRequest"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A ``__call__`` of a subclass or mixin (Flask's ``FlaskTask`` pattern: the body run
+        inside an app context) runs under the claim: the claim is taken around it."""
+        super().__init_subclass__(**kwargs)
+        outer = _foreign_call(cls)
+        if outer is not None:
+            cls.__call__ = _claim_around(outer)  # type: ignore[method-assign]
 
     # -- hooks users may override ---------------------------------------------------------
 
@@ -149,9 +158,16 @@ class ResumableTask(Task):  # type: ignore[misc]
     # -- lifecycle --------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self.request, "resilient_execution", None) is not None:
+            return self.run(*args, **kwargs)  # a subclass's __call__ calling super() (claimed)
+        return self._claim_and_run(None, args, kwargs)
+
+    def _claim_and_run(self, body: Callable[..., Any] | None, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        """Take the claim, run ``body`` (None: ``self.run``) under it, record the outcome."""
         req = self.request
         if req.called_directly or not req.id:
-            return self._call_directly(args, kwargs)
+            return self._call_directly(args, kwargs, body)
         rt = self.resilient
         work_key = self._work_key_for(req.id, args, kwargs)
         who = identity.owner(req.hostname, eager=bool(req.is_eager))
@@ -207,12 +223,13 @@ class ResumableTask(Task):  # type: ignore[misc]
         req.resilient_checkpoint = None
         identity.enter(work_key)
         try:
-            return self._run_claimed(rt, claim.epoch, ctx, args, kwargs)
+            return self._run_claimed(rt, claim.epoch, ctx, args, kwargs, body)
         finally:
             identity.leave(work_key)
             req.resilient_execution = None
 
-    def _call_directly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call_directly(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       body: Callable[..., Any] | None = None) -> Any:
         """``task(...)`` as in Celery: the body runs now, in this process, once.
 
         No claim: checkpoints start empty and steps run, both kept in memory for this call
@@ -225,12 +242,15 @@ class ResumableTask(Task):  # type: ignore[misc]
         key = self._work_key_for(f"direct-{uuid()}", args, kwargs)
         token = _direct_execution.set(Execution.for_direct_call(config, key))
         try:
+            if body is not None:
+                return body(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         finally:
             _direct_execution.reset(token)
 
     def _run_claimed(self, rt: Resilient, epoch: int, ctx: dict[str, Any],
-                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                     args: tuple[Any, ...], kwargs: dict[str, Any],
+                     body: Callable[..., Any] | None = None) -> Any:
         """Run the body under the claim and end the claim by what Celery will do next."""
         work_key = ctx["work_key"]
         try:
@@ -238,7 +258,7 @@ class ResumableTask(Task):  # type: ignore[misc]
                 log.info("resuming work %s (attempt %d)", work_key, self.execution.attempts,
                          extra={"action": "resumed", **ctx})
                 self.on_resume(self.execution.attempts)
-            result = self.run(*args, **kwargs)
+            result = (self.run if body is None else body)(*args, **kwargs)
             rt.store.finish(work_key, epoch, codec.encode(result, f"result of {self.name}"))
             if killpoints.ARMED:
                 killpoints.reached("before_ack")
@@ -451,6 +471,38 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _work_key_for(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         return workkey.derive(self, task_id, args, kwargs, _headers_of(self.request))
+
+
+_CLAIMING: set[Callable[..., Any]] = set()  # the __call__ wrappers made by _claim_around
+
+
+def _foreign_call(cls: type) -> Callable[..., Any] | None:
+    """The ``__call__`` of ``cls``'s MRO that the claim does not wrap yet, if any.
+
+    Found before ``ResumableTask`` (``class T(FlaskTask, ResumableTask)``, or a subclass's
+    own) or after it (``class T(ResumableTask, FlaskTask)``); Celery's own ends the search.
+    """
+    for klass in cls.__mro__:
+        if klass is Task:
+            return None
+        call = vars(klass).get("__call__")
+        if call is None or klass is ResumableTask:
+            continue
+        return None if call in _CLAIMING else call
+    return None
+
+
+def _claim_around(call: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``__call__`` that takes the claim, then runs ``call`` (which runs ``self.run``)."""
+
+    @functools.wraps(call)
+    def claimed_call(self: ResumableTask, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self.request, "resilient_execution", None) is not None:
+            return call(self, *args, **kwargs)  # a subclass's claimed __call__ via super()
+        return self._claim_and_run(functools.partial(call, self), args, kwargs)
+
+    _CLAIMING.add(claimed_call)
+    return claimed_call
 
 
 def _headers_of(req: Any) -> dict[str, Any]:

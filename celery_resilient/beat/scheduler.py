@@ -36,7 +36,7 @@ from typing import Any
 from celery import Celery
 from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
 from redbeat.decoder import RedBeatJSONEncoder
-from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, get_redis
+from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, ensure_conf, get_redis
 
 from celery_resilient import liveness, signals, workkey
 from celery_resilient.app import Resilient
@@ -109,6 +109,9 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
 
     def __init__(self, app: Celery, lock_key: str | None = None,
                  lock_timeout: float | None = None, **kwargs: Any) -> None:
+        # RedBeat's settings are read first, as RedBeat reads them: reading ours finalizes a
+        # pending app.conf, which drops values given by app.conf.add_defaults() (Celery).
+        ensure_conf(app)
         self.resilient = Resilient.of(app)
         self.identity = liveness.current()
         self.default_policy = CatchupPolicy.from_config(self.resilient.config)

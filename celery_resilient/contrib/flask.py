@@ -8,6 +8,7 @@ runtime is registered as ``flask_app.extensions["celery_resilient"]``. See ``doc
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from flask import Flask
@@ -32,8 +33,24 @@ def init_app(rt: Resilient, flask_app: Flask) -> None:
         raise ConfigurationError(
             f"Flask app {flask_app.name!r} is already bound to the celery-resilient runtime of "
             f"Celery app {owner.app.main!r}")
-    settings = {key.lower(): value for key, value in flask_app.config.items()
-                if isinstance(key, str) and key.startswith(CONFIG_PREFIX)}
+    written = {key.lower(): key for key in flask_app.config
+               if isinstance(key, str) and key.startswith(CONFIG_PREFIX)}
+    settings = {lower: flask_app.config[key] for lower, key in written.items()}
+    try:  # fail here, at startup, naming the key as the Flask config spells it
+        ResilientConfig.from_mapping({**dict(rt.app.conf), **settings})
+    except ConfigurationError as exc:
+        raise ConfigurationError(_as_written(str(exc), written)) from None
     rt.app.conf.update(settings)
-    ResilientConfig.from_mapping(rt.app.conf)  # fail here, at startup, naming the key
     flask_app.extensions[EXTENSION_NAME] = rt
+
+
+def _as_written(message: str, written: dict[str, str]) -> str:
+    """``message`` with each Celery setting name the Flask config gave spelt as given there."""
+    if not written:
+        return message
+    names = "|".join(sorted(map(re.escape, written), key=len, reverse=True))
+    message = re.sub(rf"\b({names})\b", lambda m: written[m[1]], message)
+    head, sep, known = message.partition("known settings: ")
+    if sep and any(repr(key) in head for key in written.values()):  # a Flask key is unknown
+        known = re.sub(rf"\b{PREFIX}\w+", lambda m: m[0].upper(), known)
+    return head + sep + known

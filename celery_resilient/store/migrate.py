@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,13 @@ from sqlalchemy import Connection, Engine
 from ..errors import SchemaError
 from .engine import for_writing
 
+log = logging.getLogger(__name__)
 MIGRATIONS = Path(__file__).with_name("migrations")
+#: Alembic logs "Context impl ..." and "Will assume transactional DDL." at INFO on every schema
+#: check, so in the main process and in every pool process. That logger is held at WARNING
+#: unless the application gave it a level of its own; no other logger (root included) is
+#: touched. ``logging.getLogger(ALEMBIC_LOGGER).setLevel(logging.INFO)`` shows them again.
+ALEMBIC_LOGGER = "alembic.runtime.migration"
 FIX_COMMAND = "celery -A <your app> resilient migrate"
 _current_prefix: list[str] = []
 
@@ -22,6 +29,12 @@ _current_prefix: list[str] = []
 def table_prefix() -> str:
     """The prefix of the migration being run; read by revision scripts."""
     return _current_prefix[-1]
+
+
+def _quiet_alembic() -> None:
+    logger = logging.getLogger(ALEMBIC_LOGGER)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
 
 
 def _config(prefix: str, connection: Connection | None = None) -> Config:
@@ -39,6 +52,7 @@ def head_revision() -> str:
 
 
 def current_revision(engine: Engine, prefix: str) -> str | None:
+    _quiet_alembic()
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"version_table": f"{prefix}alembic_version"})
         rev: str | None = ctx.get_current_revision()
@@ -47,6 +61,7 @@ def current_revision(engine: Engine, prefix: str) -> str | None:
 
 
 def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
+    _quiet_alembic()
     with engine.connect() as conn, for_writing(conn).begin():
         _current_prefix.append(prefix)
         try:
@@ -56,6 +71,7 @@ def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
 
 
 def downgrade(engine: Engine, prefix: str, revision: str) -> None:
+    _quiet_alembic()
     with engine.connect() as conn, for_writing(conn).begin():
         _current_prefix.append(prefix)
         try:
@@ -72,6 +88,8 @@ def check(engine: Engine, prefix: str, migrate_if_needed: bool) -> None:
         return
     if migrate_if_needed:
         upgrade(engine, prefix)
+        log.info("celery-resilient schema (tables %s*) migrated from %s to %s", prefix,
+                 current or "nothing", head, extra={"action": "schema_migrated"})
         return
     state = "missing" if current is None else f"at revision {current}, expected {head}"
     raise SchemaError(

@@ -4,13 +4,18 @@ Run by real ``celery worker`` processes in the Flask tests. Configured the Flask
 environment variables with the ``FLASKPROJ_`` prefix (``flask_app.config.from_prefixed_env``):
 ``FLASKPROJ_RESILIENT_STORE_URL``, ``FLASKPROJ_RESILIENT_TABLE_PREFIX``, ``FLASKPROJ_BROKER``,
 ``FLASKPROJ_QUEUE`` and ``FLASKPROJ_GREETING``; ``RESILIENT_EFFECT_LOG`` names the effect log.
+
+``count`` uses Flask's documented ``FlaskTask`` pattern (a ``Task`` subclass whose ``__call__``
+runs ``self.run`` inside an app context) combined with ``ResumableTask``.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from flask import Flask, current_app
 
 from celery_resilient import Resilient, ResumableTask
@@ -40,3 +45,27 @@ def greet(self: ResumableTask, names: list[str]) -> list[str]:
         done.append(f"{greeting}, {name}")
         self.checkpoint.save({"done": done})
     return done
+
+
+class FlaskTask(Task):  # type: ignore[misc]
+    """Flask's documented pattern (flask.palletsprojects.com, "Background Tasks with Celery")."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with flask_app.app_context():
+            return self.run(*args, **kwargs)
+
+
+class FlaskResumableTask(FlaskTask, ResumableTask):
+    """The Flask pattern with ResumableTask: the claim is taken around FlaskTask.__call__."""
+
+
+@celery_app.task(base=FlaskResumableTask, bind=True, shared=False, name="flaskproj.count")
+def count(self: ResumableTask, n: int, delay: float) -> dict[str, Any]:
+    """Counts to ``n``, checkpointing each step; ``current_app`` without opening a context."""
+    state = self.checkpoint.load(default={"i": 0})
+    effects.record(f"start:{self.work_key}", i=state["i"])
+    for i in range(state["i"], n):
+        effects.record(f"step:{self.work_key}:{i}")
+        time.sleep(delay)
+        self.checkpoint.save({"i": i + 1})
+    return {"n": n, "greeting": current_app.config["GREETING"]}

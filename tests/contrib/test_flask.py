@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
-from celery import Celery
-from flask import Flask
+from celery import Celery, Task
+from flask import Flask, current_app
 
 from celery_resilient import ConfigurationError, Resilient, ResumableTask, codec
 from celery_resilient.contrib.flask import EXTENSION_NAME
@@ -55,9 +56,9 @@ def test_init_app_reads_flask_config_and_runs_a_task_on_that_store(
 
 
 @pytest.mark.parametrize(("key", "value", "named"), [
-    ("RESILIENT_LEASE_SECOND", 10, "resilient_lease_second"),     # misspelt: unknown
-    ("RESILIENT_LEASE_SECONDS", "soon", "resilient_lease_seconds"),  # not a number
-    ("RESILIENT_TABLE_PREFIX", "Bad-Prefix", "resilient_table_prefix"),
+    ("RESILIENT_LEASE_SECOND", 10, "'RESILIENT_LEASE_SECOND'"),  # misspelt: unknown
+    ("RESILIENT_LEASE_SECONDS", "soon", "RESILIENT_LEASE_SECONDS="),  # not a number
+    ("RESILIENT_TABLE_PREFIX", "Bad-Prefix", "RESILIENT_TABLE_PREFIX="),
 ])
 def test_invalid_flask_setting_fails_at_init_app_naming_the_key(
         key: str, value: object, named: str) -> None:
@@ -127,6 +128,104 @@ def test_celery_worker_of_a_flask_configured_app_runs_a_resumable_task(
         assert checkpoint is not None and checkpoint[1] == 2  # two durable checkpoints
         effect_log.assert_exactly_once({"greet:greet-1:ada", "greet:greet-1:bob"})
         assert "celery-resilient: store=postgresql+psycopg://postgres@" in worker.process.logs()
+    finally:
+        client.close()
+        store.dispose()
+
+
+def _flask_task_base(flask_app: Flask) -> type[Task]:
+    class FlaskTask(Task):  # type: ignore[misc]  # Flask's documented pattern
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            with flask_app.app_context():
+                return self.run(*args, **kwargs)
+
+    return FlaskTask
+
+
+def _super_calling_base(flask_app: Flask, calls: list[str]) -> type[ResumableTask]:
+    class FlaskResumableTask(ResumableTask):  # the context opened, then super().__call__
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            calls.append(self.request.id)
+            with flask_app.app_context():
+                return super().__call__(*args, **kwargs)
+
+    return FlaskResumableTask
+
+
+@pytest.mark.parametrize("order", ["flask-first", "resumable-first", "super-call"])
+def test_flask_task_pattern_runs_under_the_claim(order: str, tmp_path: Path) -> None:
+    flask_app = Flask(__name__)
+    flask_app.config.update(RESILIENT_STORE_URL=f"sqlite:///{tmp_path}/s.db", GREETING="hi")
+    celery = _celery()
+    rt = Resilient(celery)
+    rt.init_app(flask_app)
+    flask_task = _flask_task_base(flask_app)
+    calls: list[str] = []
+    bases = {"flask-first": (flask_task, ResumableTask),
+             "resumable-first": (ResumableTask, flask_task),
+             "super-call": (_super_calling_base(flask_app, calls),)}[order]
+    base = type("FlaskResumable", bases, {})
+
+    @celery.task(base=base, bind=True, shared=False, name=f"flask_test.greet_{order}")
+    def greet(self: ResumableTask, name: str) -> str:
+        self.checkpoint.save({"name": name})
+        return f"{current_app.config['GREETING']}, {name} ({self.work_key})"
+
+    try:
+        result = greet.apply(args=("ada",), task_id=f"fp-{order}").get()
+        assert result == f"hi, ada (fp-{order})"
+        row = rt.store.get_work(f"fp-{order}")
+        assert row is not None and row.state == "done" and row.epoch == 1
+        assert rt.store.load_checkpoint(f"fp-{order}") is not None
+        assert greet("bob").startswith("hi, bob (")  # a direct call: the body, in the context
+        if order == "super-call":
+            assert len(calls) == 2  # once per run: the claim's super() call did not recurse
+    finally:
+        rt.store.dispose()
+
+
+@pytest.mark.e2e
+def test_flask_task_pattern_resumes_after_sigkill_and_finishes_once(
+        resilient_nodes: NodeFactory, effect_log: EffectLog, pg_url: str, table_prefix: str,
+        redis_url: str, queue_name: str) -> None:
+    store = Store(pg_url, table_prefix)
+    store.migrate()
+    env = {"FLASKPROJ_RESILIENT_STORE_URL": pg_url,
+           "FLASKPROJ_RESILIENT_TABLE_PREFIX": table_prefix,
+           "FLASKPROJ_BROKER": redis_url, "FLASKPROJ_QUEUE": queue_name,
+           "FLASKPROJ_GREETING": "hello"}
+    worker = resilient_nodes.worker("tests.contrib.flaskproj:celery_app", env=env,
+                                    queues=(queue_name,))
+    client = Celery("flaskproj-client", broker=redis_url, set_as_current=False)
+
+    def checkpointed() -> int:
+        found = store.load_checkpoint("count-1")
+        return 0 if found is None else int(codec.decode(found[0])["i"])
+
+    def state() -> str | None:
+        row = store.get_work("count-1")
+        return None if row is None else row.state
+
+    try:
+        client.send_task("flaskproj.count", args=(12, 0.25), task_id="count-1",
+                         queue=queue_name)
+        wait_for(lambda: checkpointed() >= 3, 60, "3 checkpointed steps")
+        worker.kill("SIGKILL")
+        saved = checkpointed()
+        assert state() == "running"
+        worker.restart()
+        wait_for(lambda: state() == "done", 60, "the work to finish after the restart")
+        row = store.get_work("count-1")
+        assert row is not None and row.epoch == 2 and row.attempts == 2
+        assert codec.decode(row.result_json) == {"n": 12, "greeting": "hello"}
+        starts = [e["i"] for e in effect_log.entries("start:count-1")]
+        assert starts == [0, saved], "did not resume from the last durable checkpoint"
+        counts = effect_log.counts()
+        for i in range(12):  # the step in flight at the kill may run twice, no other
+            assert counts[f"step:count-1:{i}"] in ((1, 2) if i == saved else (1,)), (
+                f"step {i} ran {counts[f'step:count-1:{i}']} times")
+        assert "exist only while the task runs" not in worker.process.logs()
+        assert "Context impl" not in worker.process.logs()  # Alembic's chatter is below INFO
     finally:
         client.close()
         store.dispose()
