@@ -109,12 +109,12 @@ class HeldRequests:
     """Task ids of the resumable messages this worker holds (received, not yet acked).
 
     A count per id: a retry or a store-outage re-send reuses the task id, and the copy may be
-    received before the original is acknowledged. The heartbeat renews only claims whose
-    message is still held here; any other claim of this worker (its message was acked or
-    rejected without ending the work) lapses and the sweeper re-publishes it.
+    received before the original is acknowledged. Before each sweep the worker lets go of
+    its reserved claims whose message is no longer held here (acked or rejected without
+    ending the work), and the sweeper re-publishes them (``Store.reconcile``).
     """
 
-    #: Above this many held ids the heartbeat renews every claim (one IN list stays small).
+    #: Above this many held ids no reserved claim is judged by them (a bounded snapshot).
     MAX_FILTER = 10_000
 
     def __init__(self) -> None:

@@ -14,6 +14,7 @@ from celery_resilient import ConfigurationError, Resilient, ResumableTask, codec
 from celery_resilient.contrib.flask import EXTENSION_NAME
 from celery_resilient.store.sql import Store
 from celery_resilient.testing import EffectLog, wait_for
+from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.plugin import NodeFactory
 
 
@@ -98,18 +99,25 @@ def test_init_app_takes_a_flask_app_only() -> None:
         Resilient(_celery()).init_app({"RESILIENT_STORE_URL": "sqlite:///x.db"})
 
 
-@pytest.mark.e2e
-def test_celery_worker_of_a_flask_configured_app_runs_a_resumable_task(
-        resilient_nodes: NodeFactory, effect_log: EffectLog, pg_url: str, table_prefix: str,
-        redis_url: str, queue_name: str) -> None:
+def _flask_worker(nodes: NodeFactory, pg_url: str, table_prefix: str, redis_url: str,
+                  queue_name: str) -> tuple[Store, LocalWorker]:
+    """A migrated PostgreSQL store and a real worker of tests/contrib/flaskproj.py."""
     store = Store(pg_url, table_prefix)
     store.migrate()  # a server store is migrated by the operator, not by the worker
     env = {"FLASKPROJ_RESILIENT_STORE_URL": pg_url,
            "FLASKPROJ_RESILIENT_TABLE_PREFIX": table_prefix,
            "FLASKPROJ_BROKER": redis_url, "FLASKPROJ_QUEUE": queue_name,
            "FLASKPROJ_GREETING": "hello"}
-    worker = resilient_nodes.worker("tests.contrib.flaskproj:celery_app", env=env,
-                                    queues=(queue_name,))
+    return store, nodes.worker("tests.contrib.flaskproj:celery_app", env=env,
+                               queues=(queue_name,))
+
+
+@pytest.mark.e2e
+def test_celery_worker_of_a_flask_configured_app_runs_a_resumable_task(
+        resilient_nodes: NodeFactory, effect_log: EffectLog, pg_url: str, table_prefix: str,
+        redis_url: str, queue_name: str) -> None:
+    store, worker = _flask_worker(resilient_nodes, pg_url, table_prefix, redis_url,
+                                  queue_name)
     client = Celery("flaskproj-client", broker=redis_url, set_as_current=False)
     try:
         client.send_task("flaskproj.greet", args=(["ada", "bob"],), task_id="greet-1",
@@ -188,14 +196,8 @@ def test_flask_task_pattern_runs_under_the_claim(order: str, tmp_path: Path) -> 
 def test_flask_task_pattern_resumes_after_sigkill_and_finishes_once(
         resilient_nodes: NodeFactory, effect_log: EffectLog, pg_url: str, table_prefix: str,
         redis_url: str, queue_name: str) -> None:
-    store = Store(pg_url, table_prefix)
-    store.migrate()
-    env = {"FLASKPROJ_RESILIENT_STORE_URL": pg_url,
-           "FLASKPROJ_RESILIENT_TABLE_PREFIX": table_prefix,
-           "FLASKPROJ_BROKER": redis_url, "FLASKPROJ_QUEUE": queue_name,
-           "FLASKPROJ_GREETING": "hello"}
-    worker = resilient_nodes.worker("tests.contrib.flaskproj:celery_app", env=env,
-                                    queues=(queue_name,))
+    store, worker = _flask_worker(resilient_nodes, pg_url, table_prefix, redis_url,
+                                  queue_name)
     client = Celery("flaskproj-client", broker=redis_url, set_as_current=False)
 
     def checkpointed() -> int:
