@@ -82,7 +82,7 @@ if str(ROOT) not in sys.path:
 
 from sqlalchemy import select  # noqa: E402
 
-from celery_resilient import codec  # noqa: E402
+from celery_resilient.core import codec  # noqa: E402
 from celery_resilient.errors import ResilientError  # noqa: E402
 from celery_resilient.store.sql import Store  # noqa: E402
 from celery_resilient.testing import EffectLog  # noqa: E402

@@ -24,7 +24,7 @@ from bench_common import markdown_table, percentile
 from checkpoint_latency import claim, drop, timed
 from sqlalchemy import Engine, create_engine, event, text
 
-from celery_resilient.config import ResilientConfig
+from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.store import engine as engine_module
 from celery_resilient.store.sql import Store
 

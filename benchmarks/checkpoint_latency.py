@@ -28,10 +28,11 @@ import sqlalchemy
 from bench_common import machine, markdown_table, percentile
 from sqlalchemy import create_engine, inspect, text
 
-from celery_resilient.checkpoint import Checkpoint
-from celery_resilient.config import ResilientConfig
-from celery_resilient.execution import Execution
-from celery_resilient.store.sql import Owner, Store
+from celery_resilient.core.identity import Owner
+from celery_resilient.runtime.config import ResilientConfig
+from celery_resilient.store.sql import Store
+from celery_resilient.tasks.checkpoint import Checkpoint
+from celery_resilient.tasks.execution import Execution
 
 OWNER = Owner("bench@localhost", uuid.uuid4().hex, 0)
 

@@ -25,7 +25,8 @@ from bench_common import machine, markdown_table, percentile
 from celery import Celery
 from sqlalchemy import inspect, text
 
-from celery_resilient import ContextStore, Resilient, codec
+from celery_resilient import ContextStore, Resilient
+from celery_resilient.core import codec
 from celery_resilient.store.contexts import ContextRows
 from celery_resilient.store.sql import Store
 

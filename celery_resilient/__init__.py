@@ -1,9 +1,7 @@
 """celery-resilient: Celery workers that come back from any restart without losing work."""
 
-from .app import Resilient
-from .config import ResilientConfig
-from .context import Context, ContextStore
-from .errors import (
+from celery_resilient.app import Resilient
+from celery_resilient.errors import (
     CheckpointError,
     ConfigurationError,
     ContextConflict,
@@ -18,7 +16,9 @@ from .errors import (
     WorkKeyConflict,
     WorkStopped,
 )
-from .task import ResumableTask
+from celery_resilient.runtime.config import ResilientConfig
+from celery_resilient.tasks.context import Context, ContextStore
+from celery_resilient.tasks.task import ResumableTask
 
 __all__ = [
     "CheckpointError",

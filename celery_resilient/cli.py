@@ -19,26 +19,28 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import datetime, timezone
 from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 from sqlalchemy.exc import SQLAlchemyError
 
-from .app import Resilient
-from .config import ResilientConfig, sanitize_url
-from .errors import ResilientError
-from .states import ALL_STATES, DEAD, OPEN_STATES
-from .store import migrate as migrations
-from .store.admin_queries import (
+from celery_resilient.beat import windows
+from celery_resilient.core.identity import Owner
+from celery_resilient.core.states import ALL_STATES
+from celery_resilient.errors import ResilientError
+from celery_resilient.ops import operations, reports
+from celery_resilient.runtime.config import ResilientConfig
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store import migrate as migrations
+from celery_resilient.store.admin_queries import (
     AdminQueries,
     EntrySlots,
     OrphanCandidate,
     PruneCounts,
-    WorkInfo,
 )
-from .store.operator_queries import (
+from celery_resilient.store.engine import sanitize_url
+from celery_resilient.store.operator_queries import (
     CANCEL_SOURCES,
     FORGET_SOURCES,
     RETRY_SOURCES,
@@ -48,7 +50,8 @@ from .store.operator_queries import (
     prune_workers,
     prune_workers_count,
 )
-from .store.sql import Owner, Store
+from celery_resilient.store.sql import Store, WorkInfo
+from celery_resilient.worker import recovery
 
 STATES = ALL_STATES
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
@@ -93,11 +96,11 @@ def _duration(value: str, option: str) -> float:
 
 # -- plumbing ---------------------------------------------------------------------------------
 
-def _runtime(ctx: click.Context) -> Resilient:
+def _runtime(ctx: click.Context) -> Runtime:
     app = ctx.obj.app
     try:
         _configure_from_django(app)
-        rt = Resilient.of(app)
+        rt = Runtime.of(app)
         _ = rt.config  # resolved once, here: errors are usage errors of this command
     except ResilientError as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
@@ -117,10 +120,13 @@ def _configure_from_django(app: Any) -> None:
     if "django" not in sys.modules and not os.environ.get("DJANGO_SETTINGS_MODULE"):
         return
     try:  # optional dependency: only a Django project has it
-        import django
-        from django.core.exceptions import ImproperlyConfigured
+        import django  # noqa: PLC0415
+        from django.core.exceptions import ImproperlyConfigured  # noqa: PLC0415
 
-        from .contrib.django.conf import configure_from_django, reads_django_settings
+        from celery_resilient.contrib.django.conf import (  # noqa: PLC0415
+            configure_from_django,
+            reads_django_settings,
+        )
     except ImportError:
         return
     if not reads_django_settings(app):
@@ -134,17 +140,14 @@ def _configure_from_django(app: Any) -> None:
     configure_from_django(app)
 
 
-def describe_store(cfg: ResilientConfig) -> str:
-    """The store as every command names it: URL with the password masked, and the prefix."""
-    return f"{sanitize_url(cfg.store_url)} (prefix {cfg.table_prefix})"
 
 
-def _announce(rt: Resilient) -> None:
+def _announce(rt: Runtime) -> None:
     """Name the store a command acts on (human output; JSON carries a ``store`` key)."""
-    click.echo(f"store: {describe_store(rt.config)}")
+    click.echo(f"store: {reports.describe_store(rt.config)}")
 
 
-def _store(ctx: click.Context, as_json: bool = False) -> tuple[Resilient, Store]:
+def _store(ctx: click.Context, as_json: bool = False) -> tuple[Runtime, Store]:
     """The app's store with its schema checked, created or upgraded only where a worker
     would do it itself (``resilient_auto_migrate``; SQLite stores by default)."""
     rt = _runtime(ctx)
@@ -154,7 +157,7 @@ def _store(ctx: click.Context, as_json: bool = False) -> tuple[Resilient, Store]
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     except SQLAlchemyError as exc:
         raise click.ClickException(
-            f"the store {describe_store(rt.config)} is unreachable: {exc}") from None
+            f"the store {reports.describe_store(rt.config)} is unreachable: {exc}") from None
     ctx.call_on_close(store.dispose)
     if not as_json:
         _announce(rt)
@@ -180,46 +183,17 @@ def _run(fn: Callable[[], Any]) -> Any:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
 
-def _iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
 
 
-def _ago(ts: float | None, now: float) -> str:
-    if ts is None:
-        return "-"
-    delta = now - ts
-    word = "ago" if delta >= 0 else "from now"
-    return f"{_span(abs(delta))} {word}"
 
 
-def _span(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172_800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86_400:.1f}d"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ",
            err: bool = False) -> None:
-    _rows(lambda line: click.echo(line, err=err), headers, rows, indent)
+    reports.rows(lambda line: click.echo(line, err=err), headers, rows, indent)
 
 
-def _rows(echo: Callable[[str], Any], headers: Sequence[str], rows: Sequence[Sequence[Any]],
-          indent: str = "  ") -> None:
-    if not rows:
-        echo(f"{indent}(none)")
-        return
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    echo(indent + "  ".join(h.upper().ljust(w) for h, w in zip(headers, widths,
-                                                               strict=True)).rstrip())
-    for r in cells:
-        echo(indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
 
 def _echo_json(data: Any) -> None:
@@ -240,13 +214,13 @@ def _work_dict(w: WorkInfo, now: float) -> dict[str, Any]:
         "work_key": w.work_key, "task": w.task_name, "task_id": w.task_id, "state": w.state,
         "epoch": w.epoch, "owner": w.owner_node, "incarnation": w.incarnation,
         "pid": w.owner_pid,
-        "lease_expires_at": _iso(w.lease_expires_at),
+        "lease_expires_at": reports.iso(w.lease_expires_at),
         "lease_left_s": None if w.lease_expires_at is None
         else round(w.lease_expires_at - now, 1),
         "attempts": w.attempts, "deaths": w.deaths, "republished": w.republished,
         "has_message": w.has_message, "error": w.error,
-        "created_at": _iso(w.created_at), "updated_at": _iso(w.updated_at),
-        "finished_at": _iso(w.finished_at),
+        "created_at": reports.iso(w.created_at), "updated_at": reports.iso(w.updated_at),
+        "finished_at": reports.iso(w.finished_at),
     }
 
 
@@ -304,10 +278,10 @@ def migrate(ctx: click.Context, as_json: bool) -> None:
     """Create or upgrade the store's schema to the current revision."""
     with _json_errors(as_json):
         rt = _runtime(ctx)
-        data, code = migrate_report(rt.config)
+        data, code = reports.migrate_report(rt.config)
         if code and not as_json:
             raise click.ClickException(data["error"])
-    _echo_json(data) if as_json else click.echo(migrate_text(data))
+    _echo_json(data) if as_json else click.echo(reports.migrate_text(data))
     if code:
         ctx.exit(code)
 
@@ -321,176 +295,30 @@ def status(ctx: click.Context, as_json: bool) -> None:
     cannot be read."""
     with _json_errors(as_json):
         rt = _runtime(ctx)
-        data, code = status_report(rt.config, migrations.FIX_COMMAND)
+        data, code = reports.status_report(rt.config, migrations.FIX_COMMAND)
     if as_json:
         _echo_json(data)
     else:
-        render_status(data, click.echo, lambda line: click.echo(line, err=True))
+        reports.render_status(data, click.echo, lambda line: click.echo(line, err=True))
     if code:
         ctx.exit(code)
 
 
-# -- migrate and status, shared with manage.py resilient_migrate / resilient_status -------------
-
-MAX_OPEN = 50
 
 
-def _store_error(cfg: ResilientConfig, exc: BaseException) -> str:
-    return f"the store {describe_store(cfg)} could not be used: {type(exc).__name__}: {exc}"
 
 
-def migrate_report(cfg: ResilientConfig) -> tuple[dict[str, Any], int]:
-    """Bring the schema of ``cfg``'s store to the head revision: (report, exit code).
-
-    The report is ``{"store", "table_prefix", "before", "revision", "head", "changed"}``,
-    or ``{"store", "table_prefix", "error"}`` with exit code 1 when the store cannot be used.
-    """
-    data: dict[str, Any] = {"store": sanitize_url(cfg.store_url),
-                            "table_prefix": cfg.table_prefix}
-    store = Store(cfg.store_url, cfg.table_prefix)
-    try:
-        before = migrations.current_revision(store.engine, cfg.table_prefix)
-        store.migrate()
-        info = migrations.describe(store.engine, cfg.table_prefix)
-    except (ResilientError, SQLAlchemyError) as exc:
-        data["error"] = _store_error(cfg, exc)
-        return data, 1
-    finally:
-        store.dispose()
-    data.update(before=before, revision=info["current"], head=info["head"],
-                changed=before != info["current"])
-    return data, 0
 
 
-def migrate_text(data: dict[str, Any]) -> str:
-    change = ("already current" if not data["changed"]
-              else f"upgraded from {data['before'] or 'nothing'}")
-    return (f"schema of {data['store']} (prefix {data['table_prefix']}) is at revision "
-            f"{data['revision']} ({change})")
 
 
-def status_report(cfg: ResilientConfig, migrate_command: str) -> tuple[dict[str, Any], int]:
-    """The status of ``cfg``'s store: (report, exit code 0, or 1 with an ``error`` key).
-
-    One implementation and one JSON shape for ``celery -A proj resilient status`` and
-    ``manage.py resilient_status``. The schema is created or upgraded first only where a
-    worker would do it itself (``ResilientConfig.migrates_itself``); otherwise a missing or
-    old schema is the error, naming ``migrate_command``.
-    """
-    data: dict[str, Any] = {"store": sanitize_url(cfg.store_url),
-                            "table_prefix": cfg.table_prefix}
-    store = Store(cfg.store_url, cfg.table_prefix)
-    try:
-        schema = migrations.describe(store.engine, cfg.table_prefix)
-        if schema["current"] != schema["head"] and cfg.migrates_itself:
-            store.migrate()  # as the first worker would
-            schema = migrations.describe(store.engine, cfg.table_prefix)
-        data["schema"] = schema
-        if schema["current"] != schema["head"]:
-            state = ("missing" if schema["current"] is None
-                     else f"at revision {schema['current']}, expected {schema['head']}")
-            data["error"] = (f"the schema of the store {describe_store(cfg)} is {state}: "
-                             f"run `{migrate_command}`")
-            return data, 1
-        data.update(_status_data(store))
-    except (ResilientError, SQLAlchemyError) as exc:
-        data["error"] = _store_error(cfg, exc)
-        return data, 1
-    finally:
-        store.dispose()
-    return data, 0
 
 
-def _status_data(store: Store) -> dict[str, Any]:
-    s = AdminQueries(store).status()
-    now = s.now
-    open_rows = [w for st in OPEN_STATES for w in store.list_work(state=st, limit=MAX_OPEN)]
-    open_rows.sort(key=lambda w: (w.lease_expires_at is None, w.lease_expires_at or 0.0))
-    oldest = None if s.oldest_lease is None else {
-        "work_key": s.oldest_lease[0], "expires_at": _iso(s.oldest_lease[1]),
-        "left_s": round(s.oldest_lease[1] - now, 1)}
-    return {
-        "now": _iso(now),
-        "work": s.by_state,
-        "open_by_owner": [{"state": st, "owner": o, "count": n} for st, o, n in s.by_owner],
-        "open": [{"work_key": w.work_key, "task": w.task_name, "state": w.state,
-                  "owner": w.owner_node,
-                  "lease_left_s": None if w.lease_expires_at is None
-                  else round(w.lease_expires_at - now, 1),
-                  "attempts": w.attempts, "deaths": w.deaths}
-                 for w in open_rows[:MAX_OPEN]],
-        "oldest_lease": oldest,
-        "expired_leases": s.expired_leases,
-        "dead": [{"work_key": w.work_key, "task": w.task_name, "deaths": w.deaths,
-                  "error": w.error, "updated_at": _iso(w.updated_at)} for w in s.dead],
-        "beat": {"slots_pending": s.slots_pending,
-                 "oldest_pending_claim": _iso(s.oldest_pending_slot_claim)},
-        "contexts": {"count": s.contexts, "oldest_write": _iso(s.oldest_context)},
-        "workers": [{"node": n, "incarnation": i, "heartbeat_at": _iso(h),
-                     "heartbeat_age_s": round(now - h, 1), "stopped_at": _iso(st)}
-                    for n, i, h, st in s.workers],
-    }
 
 
-def _since(iso: str | None, now: float) -> str:
-    if iso is None:
-        return "-"
-    return _ago(datetime.fromisoformat(iso).timestamp(), now)
 
 
-def render_status(data: dict[str, Any], echo: Callable[[str], Any],
-                  error: Callable[[str], Any]) -> None:
-    """The human form of :func:`status_report`, one line per ``echo`` call."""
-    echo(f"store: {data['store']} (prefix {data['table_prefix']})")
-    if "error" in data:
-        error(f"Error: {data['error']}")
-        return
-    now = datetime.fromisoformat(data["now"]).timestamp()
-    by_state: dict[str, int] = data["work"]
-    lines: list[str] = []
-    out = lines.append
-    out("work by state:")
-    _rows(out, ("state", "count"),
-          [(st, by_state.get(st, 0)) for st in STATES if by_state.get(st)]
-          + [(st, n) for st, n in sorted(by_state.items()) if st not in STATES])
-    out("open claims by owner:")
-    _rows(out, ("state", "owner", "count"),
-          [(o["state"], o["owner"], o["count"]) for o in data["open_by_owner"]])
-    oldest = data["oldest_lease"]
-    if oldest is None:
-        out("oldest lease: -")
-    else:
-        expired = "EXPIRED " if oldest["left_s"] < 0 else ""
-        out(f"oldest lease: {oldest['work_key']} {expired}"
-            f"(expires {_since(oldest['expires_at'], now)})")
-    if data["expired_leases"]:
-        out(f"expired leases: {data['expired_leases']} (re-published by the next sweep, or "
-            "now by `resilient recover`)")
-    if data["open"]:
-        out(f"open claims (up to {MAX_OPEN}, soonest expiry first):")
-        _rows(out, ("work key", "task", "state", "owner", "lease", "att", "deaths"),
-              [(o["work_key"], o["task"], o["state"], o["owner"],
-                None if o["lease_left_s"] is None else _lease(now + o["lease_left_s"], now),
-                o["attempts"], o["deaths"]) for o in data["open"]])
-    out(f"dead work: {by_state.get(DEAD, 0)}")
-    _rows(out, ("work key", "task", "deaths", "since", "reason"),
-          [(d["work_key"], d["task"], d["deaths"], _since(d["updated_at"], now),
-            (d["error"] or "")[:60]) for d in data["dead"]])
-    beat = data["beat"]
-    out(f"beat slots claimed, not sent: {beat['slots_pending']}"
-        + ("" if beat["oldest_pending_claim"] is None
-           else f" (oldest claimed {_since(beat['oldest_pending_claim'], now)})"))
-    ctxs = data["contexts"]
-    out(f"contexts: {ctxs['count']}" + ("" if ctxs["oldest_write"] is None
-                                        else f" (oldest written "
-                                             f"{_since(ctxs['oldest_write'], now)})"))
-    out("workers (latest heartbeats):")
-    _rows(out, ("node", "incarnation", "heartbeat", "stopped"),
-          [(x["node"], x["incarnation"][:12], _since(x["heartbeat_at"], now),
-            "-" if x["stopped_at"] is None else _since(x["stopped_at"], now))
-           for x in data["workers"]])
-    for line in lines:
-        echo(line)
+
 
 
 @resilient.group(name="work", invoke_without_command=True)
@@ -515,12 +343,11 @@ def work(ctx: click.Context, states: tuple[str, ...], task: str | None, owner: s
             return
         _table(("work key", "task", "state", "owner", "lease", "att", "deaths", "updated"),
                [(w.work_key, w.task_name, w.state, w.owner_node,
-                 None if w.lease_expires_at is None else _lease(w.lease_expires_at, now),
-                 w.attempts, w.deaths, _ago(w.updated_at, now)) for w in rows], indent="")
+                 None if w.lease_expires_at is None
+                 else reports.lease_text(w.lease_expires_at, now),
+                 w.attempts, w.deaths, reports.ago(w.updated_at, now)) for w in rows], indent="")
 
 
-def _lease(at: float, now: float) -> str:
-    return f"{at - now:.0f}s left" if at >= now else f"expired {now - at:.0f}s ago"
 
 
 @work.command(name="show", cls=CeleryCommand)
@@ -541,11 +368,11 @@ def work_show(ctx: click.Context, work_key: str, as_json: bool) -> None:
         data.update({
             "result": _json_value(w.result_json),
             "checkpoint": None if cp is None else {
-                "seq": cp.seq, "epoch": cp.epoch, "updated_at": _iso(cp.updated_at),
+                "seq": cp.seq, "epoch": cp.epoch, "updated_at": reports.iso(cp.updated_at),
                 "state": _json_value(cp.state_json)},
-            "steps": [{"name": s.name, "epoch": s.epoch, "at": _iso(s.created_at),
+            "steps": [{"name": s.name, "epoch": s.epoch, "at": reports.iso(s.created_at),
                        "result": _json_value(s.result_json)} for s in detail.steps],
-            "ledger": [{"key": x.key, "epoch": x.epoch, "applied_at": _iso(x.applied_at)}
+            "ledger": [{"key": x.key, "epoch": x.epoch, "applied_at": reports.iso(x.applied_at)}
                        for x in detail.ledger],
             "message": None if detail.message_route is None else {
                 "exchange": detail.message_route[0], "routing_key": detail.message_route[1]},
@@ -558,11 +385,12 @@ def work_show(ctx: click.Context, work_key: str, as_json: bool) -> None:
                 ("state", w.state), ("epoch", w.epoch),
                 ("owner", "-" if w.owner_node is None
                  else f"{w.owner_node} incarnation {w.incarnation} pid {w.owner_pid}"),
-                ("lease", "-" if w.lease_expires_at is None else _lease(w.lease_expires_at, now)),
+                ("lease", "-" if w.lease_expires_at is None
+                 else reports.lease_text(w.lease_expires_at, now)),
                 ("attempts", f"{w.attempts} (deaths {w.deaths}, re-published {w.republished})"),
-                ("created", f"{_iso(w.created_at)} ({_ago(w.created_at, now)})"),
-                ("updated", f"{_iso(w.updated_at)} ({_ago(w.updated_at, now)})"),
-                ("finished", _iso(w.finished_at) or "-"),
+                ("created", f"{reports.iso(w.created_at)} ({reports.ago(w.created_at, now)})"),
+                ("updated", f"{reports.iso(w.updated_at)} ({reports.ago(w.updated_at, now)})"),
+                ("finished", reports.iso(w.finished_at) or "-"),
                 ("message", "not stored (cannot be re-published)" if detail.message_route is None
                  else f"stored (exchange {detail.message_route[0]!r}, "
                       f"routing key {detail.message_route[1]!r})")):
@@ -575,14 +403,15 @@ def work_show(ctx: click.Context, work_key: str, as_json: bool) -> None:
             click.echo("checkpoint: none")
         else:
             click.echo(f"checkpoint: #{cp.seq} at epoch {cp.epoch}, "
-                       f"saved {_ago(cp.updated_at, now)}")
+                       f"saved {reports.ago(cp.updated_at, now)}")
             click.echo(f"  {cp.state_json}")
         click.echo("steps:")
         _table(("name", "epoch", "at", "result"),
-               [(s.name, s.epoch, _iso(s.created_at), s.result_json[:60]) for s in detail.steps])
+               [(s.name, s.epoch, reports.iso(s.created_at), s.result_json[:60])
+                for s in detail.steps])
         click.echo("ledger:")
         _table(("key", "epoch", "applied"),
-               [(x.key, x.epoch, _iso(x.applied_at)) for x in detail.ledger])
+               [(x.key, x.epoch, reports.iso(x.applied_at)) for x in detail.ledger])
 
 
 def _candidate_dict(c: OrphanCandidate, now: float) -> dict[str, Any]:
@@ -617,8 +446,6 @@ def recover(ctx: click.Context, dry_run: bool, node: str | None, as_json: bool) 
                        + (" (first batch)" if len(candidates) >= batch else ""))
             _show_candidates(candidates, now)
             return
-        from . import recovery
-
         ctx.call_on_close(rt.store.dispose)  # the sweep below uses the app's store
         who = Owner(node or f"resilient-cli@{socket.gethostname()}", uuid.uuid4().hex,
                     os.getpid())
@@ -653,7 +480,7 @@ def _show_candidates(candidates: Sequence[OrphanCandidate], now: float) -> None:
     _table(("work key", "task", "state", "owner", "why", "death", "message"),
            [(c.work_key, c.task_name, c.state, c.owner_node,
              "node gone" if c.reason == "node_gone"
-             else f"lease expired {_span(now - (c.lease_expires_at or now))} ago",
+             else f"lease expired {reports.span(now - (c.lease_expires_at or now))} ago",
              "yes" if c.state == "running" else "no",
              "stored" if c.has_message else "MISSING") for c in candidates])
 
@@ -695,7 +522,7 @@ def prune(ctx: click.Context, older_than: str | None, ledger: bool, dry_run: boo
                 counts = planned  # nothing to confirm: nothing is deleted
             else:
                 _confirm(f"delete {_prune_summary(planned, workers)}, older than "
-                         f"{_span(seconds)}?", "prune")
+                         f"{reports.span(seconds)}?", "prune")
                 counts = _run(lambda: queries.prune(seconds, ledger=ledger))
                 workers = _run(lambda: prune_workers(store, seconds, lease))
     if as_json:
@@ -705,7 +532,7 @@ def prune(ctx: click.Context, older_than: str | None, ledger: bool, dry_run: boo
                                                                   "workers": workers}})
         return
     verb = "would delete" if dry_run else "deleted"
-    click.echo(f"older than {_span(seconds)}: {verb} {_prune_summary(counts, workers)}"
+    click.echo(f"older than {reports.span(seconds)}: {verb} {_prune_summary(counts, workers)}"
                + ("" if ledger else " (ledger markers kept: --ledger deletes them)"))
 
 
@@ -744,7 +571,7 @@ def _selection_options(sources: Sequence[str]) -> Callable[[Callable[..., Any]],
 def _operate(ctx: click.Context, action: str, work_keys: tuple[str, ...],
              states: tuple[str, ...], task: str | None, older_than: str | None, dry_run: bool,
              yes: bool, as_json: bool,
-             act: Callable[[Resilient, Selection, bool], ActionReport]) -> None:
+             act: Callable[[Runtime, Selection, bool], ActionReport]) -> None:
     """Shared body of cancel, retry and forget: validate, confirm a filter, act, report.
 
     Named keys act at once (the operator named each one). A filter alone is first run as a
@@ -835,8 +662,6 @@ def cancel(ctx: click.Context, work_keys: tuple[str, ...], states: tuple[str, ..
     id. Running work is not interrupted: its next checkpoint, step, ledger write or result
     is refused, and its caller sees REVOKED. A filter without named keys asks for
     confirmation unless --yes; exits 1 when anything was refused."""
-    from . import operations
-
     _operate(ctx, "cancel", work_keys, states, task, older_than, dry_run, yes, as_json,
              lambda rt, sel, dry: operations.cancel(rt, sel, reason, dry_run=dry))
 
@@ -851,8 +676,6 @@ def retry(ctx: click.Context, work_keys: tuple[str, ...], states: tuple[str, ...
     dead; never done): deaths and re-publishes reset, its revocation tombstone deleted, its
     stored message sent again (without its expires). A filter without named keys asks for
     confirmation unless --yes; exits 1 when anything was refused or not sent."""
-    from . import operations
-
     _operate(ctx, "retry", work_keys, states, task, older_than, dry_run, yes, as_json,
              lambda rt, sel, dry: operations.retry(rt, sel, dry_run=dry))
 
@@ -867,8 +690,6 @@ def forget(ctx: click.Context, work_keys: tuple[str, ...], states: tuple[str, ..
     markers are kept, so effects it applied are still not applied again; a later delivery
     of the same key runs as new work. A filter without named keys asks for confirmation
     unless --yes; exits 1 when anything was refused."""
-    from . import operations
-
     _operate(ctx, "forget", work_keys, states, task, older_than, dry_run, yes, as_json,
              lambda rt, sel, dry: operations.forget(rt, sel, dry_run=dry))
 
@@ -907,15 +728,14 @@ def _entry_dict(app: Any, e: EntrySlots, now: float) -> dict[str, Any]:
     name = definition.get("name") if isinstance(definition.get("name"), str) else e.entry
     out: dict[str, Any] = {
         "entry": e.entry, "name": name, "task": definition.get("task"),
-        "last_slot": _iso(e.last_slot), "next_slot": None, "missed": None,
-        "pending": e.pending, "oldest_pending_claim": _iso(e.oldest_pending_claim),
-        "sent": e.sent, "skipped": e.skipped, "last_sent_slot": _iso(e.last_sent_slot),
+        "last_slot": reports.iso(e.last_slot), "next_slot": None, "missed": None,
+        "pending": e.pending, "oldest_pending_claim": reports.iso(e.oldest_pending_claim),
+        "sent": e.sent, "skipped": e.skipped, "last_sent_slot": reports.iso(e.last_sent_slot),
         "note": None,
     }
     try:
-        from redbeat.schedulers import RedBeatSchedulerEntry
-
-        from .beat import windows
+        # optional dependency: RedBeat comes with the redis extra
+        from redbeat.schedulers import RedBeatSchedulerEntry  # noqa: PLC0415
     except ImportError:
         out["note"] = "next and missed slots need celery-redbeat (extra 'redis')"
         return out
@@ -939,7 +759,7 @@ def _entry_dict(app: Any, e: EntrySlots, now: float) -> dict[str, Any]:
         out["note"] = f"a definition could not be read: {type(exc).__name__}: {exc}"
         return out
     out["missed"] = missed.total
-    out["next_slot"] = None if nxt is None else _iso(windows.to_seconds(nxt))
+    out["next_slot"] = None if nxt is None else reports.iso(windows.to_seconds(nxt))
     return out
 
 

@@ -17,23 +17,18 @@ the process where the action happens: ``work_recovered`` in the worker's main pr
 ``work_dead`` and ``work_handed_off`` in the pool process that received the delivery,
 ``slot_caught_up`` in beat.
 
-With ``resilient_metrics = True`` the Prometheus counters of :mod:`celery_resilient.metrics`
-are connected to these signals in each process, the first time one is sent.
+With ``resilient_metrics = True`` the Prometheus counters of :mod:`celery_resilient.runtime.metrics`
+are connected to these signals in each process when the app's settings are first read.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.dispatch import Signal
 
 if TYPE_CHECKING:
     from celery import Celery
-
-log = logging.getLogger(__name__)
 
 #: Orphaned work was re-published with its task id. Sender: the task name.
 #: kwargs: ``work_key``, ``task_id``, ``previous_state`` (``reserved``/``running``/``requeued``),
@@ -75,34 +70,9 @@ work_handed_off = Signal(name="work_handed_off", providing_args={
 ALL = (work_recovered, duplicate_skipped, work_fenced, work_dead, slot_caught_up,
        work_handed_off)
 
-_checked: weakref.WeakSet[Celery] = weakref.WeakSet()
-_checked_lock = threading.Lock()
-
-
 def send(signal: Signal, app: Celery, sender: str, **kwargs: Any) -> None:
-    """Send ``signal`` for ``app``; connect the metrics first if the app enables them."""
-    if app not in _checked:
-        _enable_metrics_if_configured(app)
+    """Send ``signal`` for ``app`` (the receivers get ``app`` as a keyword argument)."""
     signal.send(sender=sender, app=app, **kwargs)
-
-
-def _enable_metrics_if_configured(app: Celery) -> None:
-    from .app import Resilient
-
-    with _checked_lock:
-        if app in _checked:
-            return
-        _checked.add(app)
-        try:
-            enabled = Resilient.of(app).config.metrics
-        except Exception as exc:  # never let observability break a recovery action
-            log.warning("celery-resilient metrics not enabled: %s", exc,
-                        extra={"action": "metrics_unavailable"})
-            enabled = False
-    if enabled:
-        from . import metrics
-
-        metrics.install()
 
 
 __all__ = ["ALL", "duplicate_skipped", "send", "slot_caught_up", "work_dead", "work_fenced",

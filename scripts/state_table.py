@@ -1,10 +1,10 @@
-"""Print the transitions table of docs/architecture.md from celery_resilient.states.
+"""Print the transitions table of docs/architecture.md from celery_resilient.core.states.
 
 Run after changing states.py and paste the output into the doc; tests/unit/test_states.py
 fails until the two agree.
 """
 
-from celery_resilient.states import TRANSITIONS
+from celery_resilient.core.states import TRANSITIONS
 
 print("| transition | from | to | made by | why |")
 print("|---|---|---|---|---|")

@@ -16,5 +16,6 @@ fi
 
 echo "== ruff"; "$VENV/bin/ruff" check celery_resilient tests benchmarks example_project
 echo "== mypy"; "$VENV/bin/mypy" celery_resilient
+echo "== layers"; "$VENV/bin/lint-imports"
 echo "== docs"; NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --site-dir "$(mktemp -d)"
 echo "== pytest"; "$VENV/bin/python" -m pytest "$@"

@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
     # Lazy: the scheduler needs RedBeat (the optional ``redis`` extra); workers import
     # ``celery_resilient.beat.once`` without it.
     if name == "ResilientScheduler":
-        from celery_resilient.beat.scheduler import ResilientScheduler
+        from celery_resilient.beat.scheduler import ResilientScheduler  # noqa: PLC0415
 
         return ResilientScheduler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,12 +38,13 @@ from celery import Celery, bootsteps
 from celery.app.trace import task_has_custom
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_resilient import liveness, signals, workkey
-from celery_resilient.app import Resilient
+from celery_resilient import signals
 from celery_resilient.beat.windows import to_seconds, to_us
+from celery_resilient.core import liveness, workkey
 from celery_resilient.errors import StoreUnavailable
+from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.schedule import Run, ScheduleStore, Start
-from celery_resilient.task import SCHEDULED_FOR_HEADER, ResumableTask
+from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER, ResumableTask
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def check_slot(task: Any) -> None:
     if (not isinstance(entry, str) or not isinstance(scheduled_for, str) or req.is_eager
             or req.called_directly or int(req.retries or 0) > 0 or getattr(req, _STARTED, False)):
         return
-    rt = Resilient.enabled_on(task.app)
+    rt = Runtime.enabled_on(task.app)
     if rt is None:
         return
     slot = to_seconds(to_us(datetime.fromisoformat(scheduled_for)))
@@ -139,7 +140,7 @@ def check_slot(task: Any) -> None:
     raise Ignore()
 
 
-def _send_later(task: Any, rt: Resilient, exc: StoreUnavailable, me: str) -> NoReturn:
+def _send_later(task: Any, rt: Runtime, exc: StoreUnavailable, me: str) -> NoReturn:
     """The store is down: send this message again later (same id, same headers)."""
     req = task.request
     n = int(_header(req, STORE_RETRIES_HEADER) or 0)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from celery_resilient.beat.windows import US
-from celery_resilient.config import CATCHUP_POLICIES, ResilientConfig
 from celery_resilient.errors import ScheduleError
+from celery_resilient.runtime.config import CATCHUP_POLICIES, ResilientConfig
 
 OPTION_PREFIX = "resilient_"
 OPTION_KEYS = ("resilient_catchup", "resilient_catchup_max_slots",

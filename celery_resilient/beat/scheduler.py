@@ -38,16 +38,17 @@ from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
 from redbeat.decoder import RedBeatJSONEncoder
 from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, ensure_conf, get_redis
 
-from celery_resilient import liveness, signals, workkey
-from celery_resilient.app import Resilient
+from celery_resilient import signals
 from celery_resilient.beat import windows
 from celery_resilient.beat.once import ENTRY_HEADER
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
-from celery_resilient.config import sanitize_url
+from celery_resilient.core import liveness, workkey
 from celery_resilient.errors import ConfigurationError, ScheduleError, StoreUnavailable
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.schedule import CLAIMED, Run, ScheduleStore
-from celery_resilient.task import SCHEDULED_FOR_HEADER
+from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         # RedBeat's settings are read first, as RedBeat reads them: reading ours finalizes a
         # pending app.conf, which drops values given by app.conf.add_defaults() (Celery).
         ensure_conf(app)
-        self.resilient = Resilient.of(app)
+        self.resilient = Runtime.of(app)
         self.identity = liveness.current()
         self.default_policy = CatchupPolicy.from_config(self.resilient.config)
         self.started_at = 0  # microseconds: when this beat last reconciled (start, takeover)

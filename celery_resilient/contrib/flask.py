@@ -9,21 +9,18 @@ runtime is registered as ``flask_app.extensions["celery_resilient"]``. See ``doc
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from flask import Flask
 
-from ..config import PREFIX, ResilientConfig
-from ..errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from ..app import Resilient
+from celery_resilient.errors import ConfigurationError
+from celery_resilient.runtime.config import PREFIX, ResilientConfig
+from celery_resilient.runtime.runtime import Runtime
 
 EXTENSION_NAME = "celery_resilient"
 CONFIG_PREFIX = PREFIX.upper()  # RESILIENT_
 
 
-def init_app(rt: Resilient, flask_app: Flask) -> None:
+def init_app(rt: Runtime, flask_app: Flask) -> None:
     """Copy ``RESILIENT_*`` settings from ``flask_app`` into the Celery app and register."""
     if not isinstance(flask_app, Flask):
         raise ConfigurationError(

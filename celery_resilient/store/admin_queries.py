@@ -15,36 +15,12 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, case, delete, exists, func, or_, select
 
-from ..states import DEAD, OPEN_STATES, TERMINAL_STATES
-from .schedule import CLAIMED
-from .sql import Store, guarded
+from celery_resilient.core.states import DEAD, OPEN_STATES, TERMINAL_STATES
+from celery_resilient.store.schedule import CLAIMED
+from celery_resilient.store.sql import Store, WorkInfo, guarded, work_info
 
 FINISHED_STATES = TERMINAL_STATES
 PRUNE_BATCH = 500
-
-
-@dataclass(frozen=True)
-class WorkInfo:
-    """One work row as an operator sees it (the stored message is summarised, not shown)."""
-
-    work_key: str
-    task_name: str
-    task_id: str
-    state: str
-    epoch: int
-    owner_node: str | None
-    incarnation: str | None
-    owner_pid: int | None
-    lease_expires_at: float | None
-    attempts: int
-    deaths: int
-    republished: int
-    has_message: bool
-    result_json: str | None
-    error: str | None
-    created_at: float
-    updated_at: float
-    finished_at: float | None
 
 
 @dataclass(frozen=True)
@@ -174,7 +150,7 @@ class AdminQueries:
             expired = int(conn.execute(
                 select(func.count()).select_from(w)
                 .where(w.c.state.in_(OPEN_STATES), w.c.lease_expires_at < now)).scalar_one())
-            dead = [_work_info(x) for x in conn.execute(
+            dead = [work_info(x) for x in conn.execute(
                 select(w).where(w.c.state == DEAD)
                 .order_by(w.c.updated_at.desc()).limit(dead_limit)).all()]
             pending, oldest_claim = conn.execute(
@@ -214,7 +190,7 @@ class AdminQueries:
         with self._read() as conn:
             rows = conn.execute(q).all()
             conn.rollback()
-        return [_work_info(x) for x in rows]
+        return [work_info(x) for x in rows]
 
     @guarded
     def work_detail(self, work_key: str) -> WorkDetail | None:
@@ -236,7 +212,7 @@ class AdminQueries:
             conn.rollback()
         checkpoint = None if cp is None else CheckpointInfo(
             int(cp.epoch), int(cp.seq), cp.state_json, float(cp.updated_at))
-        return WorkDetail(_work_info(row), checkpoint, steps, ledger,
+        return WorkDetail(work_info(row), checkpoint, steps, ledger,
                           _route(row.message_json))
 
     # -- recovery preview ---------------------------------------------------------------------
@@ -415,16 +391,5 @@ def _route(message_json: str | None) -> tuple[str, str] | None:
     return (str(m.get("exchange") or ""), str(m.get("routing_key") or ""))
 
 
-def _work_info(row: Any) -> WorkInfo:
-    return WorkInfo(
-        row.work_key, row.task_name, row.task_id, row.state, int(row.epoch), row.owner_node,
-        row.incarnation, None if row.owner_pid is None else int(row.owner_pid),
-        None if row.lease_expires_at is None else float(row.lease_expires_at),
-        int(row.attempts), int(row.deaths), int(row.republished),
-        row.message_json is not None, row.result_json, row.error, float(row.created_at),
-        float(row.updated_at), None if row.finished_at is None else float(row.finished_at),
-    )
-
-
 __all__ = ["FINISHED_STATES", "AdminQueries", "EntrySlots", "OrphanCandidate", "PruneCounts",
-           "Status", "WorkDetail", "WorkInfo"]
+           "Status", "WorkDetail"]

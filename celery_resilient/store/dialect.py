@@ -8,7 +8,7 @@ from sqlalchemy import Table, literal_column
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..errors import ConfigurationError
+from celery_resilient.errors import ConfigurationError
 
 SUPPORTED = ("sqlite", "postgresql")
 

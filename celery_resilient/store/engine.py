@@ -8,6 +8,7 @@ the parent's sockets.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import weakref
 from typing import Any
@@ -16,7 +17,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 
-from ..errors import ConfigurationError
+from celery_resilient.errors import ConfigurationError
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "resilient_write"
@@ -66,8 +67,6 @@ def build_engine(url: str) -> Engine:
         return create_engine(url, pool_size=5, max_overflow=5,
                              connect_args=_connect_args(url))
     except (NoSuchModuleError, ImportError) as exc:
-        from ..config import sanitize_url
-
         raise ConfigurationError(
             f"resilient_store_url={sanitize_url(url)!r} names a database driver that is not "
             f"installed or does not exist ({exc}); e.g. install the postgres extra for "
@@ -114,3 +113,8 @@ class EngineHolder:
             if self._engine is not None and self._pid == os.getpid():
                 self._engine.dispose()
             self._engine = None
+
+
+def sanitize_url(url: str) -> str:
+    """The URL with its password masked, fit for logs and banners."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)  # user may be empty: redis://:pw@

@@ -12,8 +12,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine
 
-from ..errors import SchemaError
-from .engine import for_writing
+from celery_resilient.errors import SchemaError
+from celery_resilient.store.engine import for_writing
 
 log = logging.getLogger(__name__)
 MIGRATIONS = Path(__file__).with_name("migrations")

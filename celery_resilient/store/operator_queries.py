@@ -1,7 +1,7 @@
 """The operator's transitions on stored work: cancel, retry and forget.
 
 ``celery -A proj resilient cancel|retry|forget`` and the Django admin's actions run these
-(through :mod:`celery_resilient.operations`, which publishes what ``retry`` re-queues). Work
+(through :mod:`celery_resilient.ops.operations`, which publishes what ``retry`` re-queues). Work
 is selected by key, by a filter (states, task name, age), or both: a named key must also
 match the filter. Each batch is one transaction that locks its rows and checks every row's
 state again under the lock, so a take, finish or sweep that commits first is never
@@ -30,9 +30,20 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, func, select, update
 
-from ..errors import ResilientError
-from ..states import ALL_STATES, CANCELLED, DONE, OPEN_STATES, REQUEUED, TERMINAL_STATES
-from .sql import Store, guarded
+from celery_resilient.core.states import (
+    ALL_STATES,
+    CANCELLED,
+    DEAD,
+    DONE,
+    ENDED_BY_REQUEST,
+    FAILED,
+    OPEN_STATES,
+    REQUEUED,
+    RUNNING,
+    TERMINAL_STATES,
+)
+from celery_resilient.errors import ResilientError
+from celery_resilient.store.sql import Store, guarded
 
 BATCH = 500
 CANCEL_SOURCES = OPEN_STATES
@@ -165,6 +176,48 @@ def refusal(action: str, state: str, has_message: bool) -> str | None:
 _Act = Callable[[Connection, list[Any]], list[Target]]
 
 
+class RepublishRefused(ResilientError):
+    """This work cannot be re-published."""
+
+
+@dataclass(frozen=True)
+class Republished:
+    """What ``republish`` did: the work's key, task id, and state and owner before it."""
+
+    work_key: str
+    task_id: str
+    previous_state: str
+    previous_owner: str | None
+    deaths_reset: bool
+
+
+def republish_refusal(state: str, lease_left: float | None, owner: str | None,
+            error: str | None, has_message: bool) -> str | None:
+    """Why work in this state must not be re-published, or None when it may be.
+
+    ``lease_left`` is seconds until the lease expires by the database's clock (negative when
+    it has expired, None when there is none).
+    """
+    if state == DONE:
+        return ("it is already done: its result is stored, and a re-published copy would only "
+                "return that result")
+    if state == FAILED:
+        return (f"it failed by its own exception ({error or 'no error recorded'}); a copy with "
+                "the same task id is skipped as a duplicate: use retry to run this request "
+                "again, or send a new task")
+    if state in ENDED_BY_REQUEST:
+        return (f"it ended as {state} ({error or 'no reason recorded'}); a copy with the same "
+                "task id is stopped: use retry to run this request again, or send a new task")
+    if state == RUNNING and lease_left is not None and lease_left > 0:
+        return (f"it is running on {owner or 'an unknown worker'} under a live lease "
+                f"({lease_left:.0f}s left); it is not stuck. If that worker is gone, its lease "
+                "runs out and the recovery sweep re-publishes it")
+    if not has_message:
+        return ("no broker message is stored for it (it was never received by a worker nor "
+                "submitted durably), so there is nothing to re-send")
+    return None
+
+
 class OperatorQueries:
     """Cancel, retry and forget on a :class:`Store`'s engine and tables, in batches."""
 
@@ -176,6 +229,44 @@ class OperatorQueries:
     # -- the actions ------------------------------------------------------------------------
 
     @guarded
+    def requeue_for_republish(self, work_key: str, hold_seconds: float) -> Target:
+        """Requeue dead or stuck work for an operator's re-publish, under a row lock, or
+        raise :class:`RepublishRefused` with the reason; the caller publishes its message.
+
+        Dead work gets its death count reset, so the copy runs instead of being parked
+        again; its attempts keep counting. A running claim whose lease expired counts one
+        more death, as the recovery sweep counts it. The lease of ``hold_seconds`` keeps the
+        sweeper off it while the message is sent, and makes it send it if that fails.
+        """
+        store = self.store
+        w = store.t.work
+        now = store.dialect.now()
+        with store.begin() as conn:
+            row = conn.execute(
+                select(w.c.task_name, w.c.task_id, w.c.state, w.c.owner_node, w.c.error,
+                       w.c.deaths, w.c.message_json,
+                       (w.c.lease_expires_at - now).label("lease_left"))
+                .where(w.c.work_key == work_key)
+                .with_for_update()
+            ).first()
+            if row is None:
+                raise RepublishRefused(
+                    f"cannot re-publish {work_key!r}: no such work in the store")
+            why = republish_refusal(row.state, row.lease_left, row.owner_node, row.error,
+                                    row.message_json is not None)
+            if why is not None:
+                raise RepublishRefused(f"cannot re-publish {work_key!r}: {why}")
+            dead = row.state == DEAD
+            deaths = 0 if dead else row.deaths + (1 if row.state == RUNNING else 0)
+            conn.execute(update(w).where(w.c.work_key == work_key).values(
+                state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
+                lease_expires_at=now + hold_seconds, republished=w.c.republished + 1,
+                deaths=deaths, error=None if dead else w.c.error, finished_at=None,
+                updated_at=now,
+            ))
+        return Target(work_key, row.task_name, row.task_id, row.state, row.owner_node,
+                      row.message_json)
+
     def cancel(self, selection: Selection, reason: str | None = None,
                dry_run: bool = False) -> ActionReport:
         """Open work -> ``cancelled``; a running execution stops at its next fenced write."""
@@ -375,8 +466,8 @@ def _target(row: Any, message_json: str | None = None) -> Target:
 
 
 __all__ = ["CANCELLED_BY_OPERATOR", "CANCEL_SOURCES", "FORGET_SOURCES", "RETRY_SOURCES",
-           "ActionReport", "OperatorQueries", "Refusal", "Selection", "SelectionError",
-           "Target", "refusal"]
+           "ActionReport", "OperatorQueries", "Refusal", "RepublishRefused", "Republished",
+           "Selection", "SelectionError", "Target", "refusal", "republish_refusal"]
 
 
 # -- pruning the workers table ------------------------------------------------------------------

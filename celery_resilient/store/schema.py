@@ -1,7 +1,7 @@
 """The store's tables, defined once. Migrations create exactly this (a test diffs them).
 
 Times are float seconds since the epoch taken from the database's clock, so leases never
-depend on a worker's clock. JSON payloads are text written by :mod:`celery_resilient.codec`.
+depend on a worker's clock. JSON payloads are text written by :mod:`celery_resilient.core.codec`.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         # The incarnation's lease: its claims are live while this is in the future. The
         # heartbeat renews this one row, whatever the number of claims.
         Column("lease_expires_at", Float, nullable=True),
-        # celery_resilient.liveness identity (host, boot, PID namespace, PID, start time):
+        # celery_resilient.core.liveness identity (host, boot, PID namespace, PID, start time):
         # a successor can prove this incarnation dead only from the same host and namespace.
         Column("process", String(KEY), nullable=True),
         # Set when a warm shutdown began: its claims are being handed off or drained.

@@ -36,11 +36,12 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..errors import StaleClaimError, StoreUnavailable, WorkKeyConflict, WorkStopped
-from ..states import (
+from celery_resilient.core.identity import EAGER_SUFFIX, Owner
+from celery_resilient.core.states import (
     DEAD,
     DONE,
     ENDED_BY_REQUEST,
@@ -53,10 +54,11 @@ from ..states import (
     RUNNING,
     STOPPED_STATES,
 )
-from . import migrate, transient
-from .dialect import Dialect
-from .engine import EngineHolder, for_writing
-from .schema import build_tables
+from celery_resilient.errors import StaleClaimError, StoreUnavailable, WorkKeyConflict, WorkStopped
+from celery_resilient.store import migrate, transient
+from celery_resilient.store.dialect import Dialect
+from celery_resilient.store.engine import EngineHolder, for_writing
+from celery_resilient.store.schema import build_tables
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -109,20 +111,6 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                                            f"({transient.describe(exc)}): {exc.orig}") from exc
 
     return wrapper
-
-
-#: The incarnation suffix of eager executions' claims (``task.apply()``, eager mode): no
-#: worker's pool accounts for them, so they live by their own lease.
-EAGER_SUFFIX = ":eager"
-
-
-@dataclass(frozen=True)
-class Owner:
-    """Who holds a claim: worker node name, per-start incarnation id, and process id."""
-
-    node: str
-    incarnation: str
-    pid: int
 
 
 @dataclass(frozen=True)
@@ -198,7 +186,9 @@ class IncarnationRow:
 
 
 @dataclass(frozen=True)
-class WorkRow:
+class WorkInfo:
+    """One work row as operators and tests see it (the stored message is summarised, not shown)."""
+
     work_key: str
     task_name: str
     task_id: str
@@ -206,14 +196,18 @@ class WorkRow:
     epoch: int
     owner_node: str | None
     incarnation: str | None
+    owner_pid: int | None
     lease_expires_at: float | None
     attempts: int
     deaths: int
     republished: int
+    has_message: bool
     result_json: str | None
     error: str | None
     created_at: float
     updated_at: float
+    finished_at: float | None
+
 
 
 class _Hot:
@@ -326,8 +320,6 @@ class Store:
         self.url = url
         self.prefix = table_prefix
         self._engine = EngineHolder(url)
-        from sqlalchemy.engine import make_url
-
         self.dialect = Dialect(make_url(url).get_backend_name())
         self.t = build_tables(table_prefix)
         self._hot = _Hot(self.t, self.dialect)
@@ -1070,12 +1062,12 @@ class Store:
     # -- reads for operators and tests ----------------------------------------------------
 
     @guarded
-    def get_work(self, work_key: str) -> WorkRow | None:
+    def get_work(self, work_key: str) -> WorkInfo | None:
         w = self.t.work
         with self.engine.connect() as conn:
             row = conn.execute(select(w).where(w.c.work_key == work_key)).first()
             conn.rollback()
-        return None if row is None else _work_row(row)
+        return None if row is None else work_info(row)
 
     @guarded
     def get_message(self, work_key: str) -> str | None:
@@ -1088,7 +1080,7 @@ class Store:
         return value
 
     @guarded
-    def list_work(self, state: str | None = None, limit: int = 1000) -> list[WorkRow]:
+    def list_work(self, state: str | None = None, limit: int = 1000) -> list[WorkInfo]:
         w = self.t.work
         q = select(w).order_by(w.c.created_at).limit(limit)
         if state:
@@ -1096,7 +1088,7 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(q).all()
             conn.rollback()
-        return [_work_row(r) for r in rows]
+        return [work_info(r) for r in rows]
 
     @guarded
     def count_by_state(self) -> dict[str, int]:
@@ -1208,10 +1200,12 @@ class Store:
             return self.ledger_mark(conn, key, work_key, epoch, result_json)
 
 
-def _work_row(row: Row[Any]) -> WorkRow:
-    return WorkRow(
+def work_info(row: Any) -> WorkInfo:
+    return WorkInfo(
         row.work_key, row.task_name, row.task_id, row.state, int(row.epoch), row.owner_node,
-        row.incarnation, row.lease_expires_at, int(row.attempts), int(row.deaths),
-        int(row.republished), row.result_json, row.error, float(row.created_at),
-        float(row.updated_at),
+        row.incarnation, None if row.owner_pid is None else int(row.owner_pid),
+        None if row.lease_expires_at is None else float(row.lease_expires_at),
+        int(row.attempts), int(row.deaths), int(row.republished),
+        row.message_json is not None, row.result_json, row.error, float(row.created_at),
+        float(row.updated_at), None if row.finished_at is None else float(row.finished_at),
     )

@@ -7,9 +7,9 @@ process in place of a Docker container, since resilience is proven by killing re
 
 from typing import Any
 
-from .effects import EffectLog
-from .process import LocalProcess
-from .waiting import WaitTimeout, wait_for
+from celery_resilient.testing.effects import EffectLog
+from celery_resilient.testing.process import LocalProcess
+from celery_resilient.testing.waiting import WaitTimeout, wait_for
 
 __all__ = ["EffectLog", "LocalBeat", "LocalProcess", "LocalWorker", "WaitTimeout", "wait_for"]
 
@@ -17,7 +17,7 @@ __all__ = ["EffectLog", "LocalBeat", "LocalProcess", "LocalWorker", "WaitTimeout
 def __getattr__(name: str) -> Any:
     """The nodes need pytest-celery (the ``testing`` extra); the rest does not."""
     if name in ("LocalBeat", "LocalWorker"):
-        from . import nodes
+        from celery_resilient.testing import nodes  # noqa: PLC0415  (pytest-celery is optional)
 
         return getattr(nodes, name)
     raise AttributeError(name)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import signal as signals
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import celery
 from celery import Celery
 from pytest_celery import CeleryTestNode, CeleryTestWorker
 
-from .process import LocalProcess
-from .waiting import wait_for
+from celery_resilient.testing.process import LocalProcess
+from celery_resilient.testing.waiting import wait_for
 
 
 class _LocalNode:
@@ -52,8 +54,6 @@ class LocalWorker(_LocalNode, CeleryTestWorker):  # type: ignore[misc]
 
     @property
     def version(self) -> str:
-        import celery
-
         return str(celery.__version__)
 
     @property
@@ -69,8 +69,6 @@ class LocalWorker(_LocalNode, CeleryTestWorker):  # type: ignore[misc]
         return self._queues[0]
 
     def hostname(self) -> str:
-        import socket
-
         return self.node_name.replace("%h", socket.gethostname())
 
     def start(self) -> LocalWorker:

@@ -16,10 +16,10 @@ import pytest
 from celery import Celery
 from celery._state import _get_active_apps
 
-from ..app import Resilient
-from .effects import EffectLog
-from .nodes import LocalBeat, LocalWorker
-from .stores import table_prefix, use_store
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.testing.effects import EffectLog
+from celery_resilient.testing.nodes import LocalBeat, LocalWorker
+from celery_resilient.testing.stores import table_prefix, use_store
 
 
 class NodeFactory:
@@ -78,14 +78,14 @@ class IsolatedStore:
         self._applied: list[Celery] = []
         self._migrated: set[str] = set()
 
-    def apply(self, app: Celery) -> Resilient:
+    def apply(self, app: Celery) -> Runtime:
         """Point ``app`` (with ``Resilient`` applied) at this store until the test ends."""
         if not any(a is app for a in self._applied):
             prefix = table_prefix(app)
             self._undo.append(use_store(app, self.url, migrate=prefix not in self._migrated))
             self._migrated.add(prefix)
             self._applied.append(app)
-        return Resilient.of(app)
+        return Runtime.of(app)
 
     @property
     def apps(self) -> list[Celery]:
@@ -109,7 +109,7 @@ def resilient_store(tmp_path: Path) -> Iterator[IsolatedStore]:
     isolated = IsolatedStore(tmp_path / "resilient-store.sqlite3")
     try:
         for app in list(_get_active_apps()):
-            if Resilient.enabled_on(app) is not None:
+            if Runtime.enabled_on(app) is not None:
                 isolated.apply(app)
         yield isolated
     finally:

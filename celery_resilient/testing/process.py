@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .waiting import wait_for
+from celery_resilient.testing.waiting import wait_for
 
 _SIGNALS = {name: getattr(signals, name) for name in dir(signals) if name.startswith("SIG")}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, inspect, text
 
-from .waiting import wait_for
+from celery_resilient.testing.waiting import wait_for
 
 
 def free_port() -> int:

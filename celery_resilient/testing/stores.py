@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from celery import Celery
 
-from ..app import Resilient
-from ..config import PREFIX
-from ..store.sql import Store
+from celery_resilient.runtime.config import PREFIX
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.sql import Store
 
 _URL_KEY = PREFIX + "store_url"
 
@@ -25,7 +25,7 @@ def use_store(app: Celery, url: str, *, migrate: bool = True) -> Callable[[], No
     With ``migrate`` the store's schema is created or upgraded first, whatever
     ``resilient_auto_migrate`` says (a test database starts without it).
     """
-    rt = Resilient.of(app)
+    rt = Runtime.of(app)
     previous = app.conf.get(_URL_KEY)
     app.conf[_URL_KEY] = url
     forget_store(rt)
@@ -48,13 +48,9 @@ def table_prefix(app: Celery) -> str:
     return str(app.conf.get(PREFIX + "table_prefix") or "resilient_")
 
 
-def forget_store(rt: Resilient) -> None:
+def forget_store(rt: Runtime) -> None:
     """Close the runtime's engine and drop its resolved settings: re-read at the next use."""
-    if rt._store is not None:
-        rt._store.dispose()
-    rt._store = None
-    rt._config = None
-    rt._schema_ready = False
+    rt.forget_store()
 
 
 def empty_store(store: Store) -> None:

@@ -40,7 +40,7 @@ from celery import Celery
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
 from celery_resilient import Resilient, ResumableTask, StaleClaimError, StoreUnavailable
-from celery_resilient.handoff import HandOff
+from celery_resilient.core.handoff import HandOff
 from celery_resilient.testing import EffectLog
 
 

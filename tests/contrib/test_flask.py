@@ -10,8 +10,9 @@ import pytest
 from celery import Celery, Task
 from flask import Flask, current_app
 
-from celery_resilient import ConfigurationError, Resilient, ResumableTask, codec
+from celery_resilient import ConfigurationError, Resilient, ResumableTask
 from celery_resilient.contrib.flask import EXTENSION_NAME
+from celery_resilient.core import codec
 from celery_resilient.store.sql import Store
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.nodes import LocalWorker

@@ -15,8 +15,10 @@ import pytest
 from celery import Celery
 from kombu import Connection
 
-from celery_resilient import Resilient, messages
-from celery_resilient.operations import (
+from celery_resilient import Resilient
+from celery_resilient.core import messages
+from celery_resilient.core.identity import Owner
+from celery_resilient.ops.operations import (
     RepublishRefused,
     Selection,
     cancel,
@@ -24,7 +26,7 @@ from celery_resilient.operations import (
     retry,
     without_expiry,
 )
-from celery_resilient.store.sql import Owner, Store
+from celery_resilient.store.sql import Store
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.plugin import NodeFactory
 

@@ -15,7 +15,7 @@ from typing import Any
 from celery import Celery, Task
 
 from celery_resilient import Resilient, ResumableTask
-from celery_resilient.task import SCHEDULED_FOR_HEADER
+from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER
 from celery_resilient.testing import EffectLog
 
 BROKER = os.environ.get("RESILIENT_BROKER", "redis://127.0.0.1:6379/9")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from celery_resilient import codec
+from celery_resilient.core import codec
 from celery_resilient.testing import EffectLog, wait_for
 
 from . import proj

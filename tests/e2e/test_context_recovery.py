@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_resilient import codec
+from celery_resilient.core import codec
 from celery_resilient.store.contexts import ContextRows
 from celery_resilient.testing import EffectLog, LocalWorker, wait_for
 from celery_resilient.testing.services import ThrowawayRedis

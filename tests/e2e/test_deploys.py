@@ -20,8 +20,8 @@ from celery import Celery
 from kombu import Connection
 from sqlalchemy import select
 
-from celery_resilient import messages
-from celery_resilient.store.sql import Owner
+from celery_resilient.core import messages
+from celery_resilient.core.identity import Owner
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.services import ThrowawayPostgres

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from celery_resilient import codec, messages
+from celery_resilient.core import codec, messages
 from celery_resilient.testing import EffectLog, wait_for
 
 from .conftest import Project

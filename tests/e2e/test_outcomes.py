@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from celery_resilient import codec, messages
+from celery_resilient.core import codec, messages
 from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 

@@ -23,8 +23,8 @@ import pytest
 from celery import Celery
 from kombu.serialization import registry
 
-from celery_resilient import codec, messages
-from celery_resilient.store.sql import Owner
+from celery_resilient.core import codec, messages
+from celery_resilient.core.identity import Owner
 from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 

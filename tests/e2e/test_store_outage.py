@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from celery_resilient import codec
+from celery_resilient.core import codec
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.services import ThrowawayPostgres
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 from sqlalchemy import select
 
-from celery_resilient import codec
+from celery_resilient.core import codec
 from celery_resilient.testing import EffectLog, wait_for
 
 from . import transientproj

@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 from sqlalchemy import update
 
-from celery_resilient.config import ResilientConfig
-from celery_resilient.execution import Execution
-from celery_resilient.store.sql import Claim, Owner, Store, TakeOutcome
+from celery_resilient.core.identity import Owner
+from celery_resilient.runtime.config import ResilientConfig
+from celery_resilient.store.sql import Claim, Store, TakeOutcome
+from celery_resilient.tasks.execution import Execution
 
 __all__ = ["Owner", "died", "execution", "expire", "expire_incarnation", "owner", "run",
            "started", "take"]

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from celery_resilient import codec
-from celery_resilient.checkpoint import Checkpoint
+from celery_resilient.core import codec
 from celery_resilient.errors import (
     CheckpointError,
     LedgerKeyError,
@@ -17,10 +16,11 @@ from celery_resilient.errors import (
     SerializationError,
     StoreUnavailable,
 )
-from celery_resilient.execution import Execution
-from celery_resilient.ledger import Ledger
-from celery_resilient.steps import run_step
 from celery_resilient.store.sql import Store
+from celery_resilient.tasks.checkpoint import Checkpoint
+from celery_resilient.tasks.execution import Execution
+from celery_resilient.tasks.ledger import Ledger
+from celery_resilient.tasks.steps import run_step
 
 from .helpers import always_live, execution, owner, run
 

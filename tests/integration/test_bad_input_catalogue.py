@@ -41,11 +41,11 @@ from celery import Celery
 from celery.schedules import schedule
 from sqlalchemy import inspect, text, update
 
-from celery_resilient import Resilient, ResumableTask, codec
+from celery_resilient import Resilient, ResumableTask
 from celery_resilient.beat import windows
 from celery_resilient.beat.policy import CatchupPolicy
-from celery_resilient.checkpoint import Checkpoint
-from celery_resilient.config import ResilientConfig
+from celery_resilient.core import codec, killpoints
+from celery_resilient.core.identity import pid_alive
 from celery_resilient.errors import (
     ConfigurationError,
     ResilientError,
@@ -54,12 +54,12 @@ from celery_resilient.errors import (
     SerializationError,
     WorkKeyConflict,
 )
-from celery_resilient.identity import pid_alive
-from celery_resilient.ledger import Ledger
-from celery_resilient.steps import run_step
+from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.store import migrate
 from celery_resilient.store.sql import Store
-from celery_resilient.testing import killpoints
+from celery_resilient.tasks.checkpoint import Checkpoint
+from celery_resilient.tasks.ledger import Ledger
+from celery_resilient.tasks.steps import run_step
 
 from .helpers import execution, owner, run, take
 

@@ -6,7 +6,8 @@ import json
 
 from celery import Celery
 
-from celery_resilient import ResumableTask, messages
+from celery_resilient import ResumableTask
+from celery_resilient.core import messages
 
 
 def test_call_form_message_republishes_same_task_id_and_arguments(redis_url: str,

@@ -25,14 +25,16 @@ from kombu import Connection
 from prometheus_client import REGISTRY
 from sqlalchemy import select, update
 
-from celery_resilient import Resilient, cli, messages, signals
+from celery_resilient import Resilient, cli, signals
 from celery_resilient.cli import parse_duration, resilient
+from celery_resilient.core import messages
+from celery_resilient.core.identity import Owner
 from celery_resilient.errors import WorkStopped
 from celery_resilient.store.admin_queries import AdminQueries
 from celery_resilient.store.contexts import ContextRows
 from celery_resilient.store.operator_queries import OperatorQueries, Selection
 from celery_resilient.store.schedule import ScheduleStore
-from celery_resilient.store.sql import Owner, Store
+from celery_resilient.store.sql import Store
 
 from .helpers import expire, owner, run, take
 

@@ -27,8 +27,9 @@ from celery_resilient import (
     SerializationError,
     StaleClaimError,
 )
-from celery_resilient.context_cache import Lookup
-from celery_resilient.store.sql import Owner, Store
+from celery_resilient.core.identity import Owner
+from celery_resilient.store.sql import Store
+from celery_resilient.tasks.context_cache import Lookup
 from celery_resilient.testing import wait_for
 from celery_resilient.testing.services import ThrowawayRedis, free_port
 
@@ -153,7 +154,7 @@ def test_cache_miss_recovers_from_store_logged_and_counted(
         assert drop_namespace(redis_url, f"{table_prefix}ctx:") > 0  # Redis lost everything
         reader = writer
     before = reader.stats.as_dict()
-    with caplog.at_level(logging.INFO, logger="celery_resilient.context"):
+    with caplog.at_level(logging.INFO, logger="celery_resilient.tasks.context"):
         got = reader.get("m")
     assert (got.version, got["history"]) == (1, list(range(50)))
     assert reader.stats.misses_recovered == before["misses_recovered"] + 1
@@ -339,7 +340,7 @@ def test_redis_down_reads_and_writes_fall_back_to_the_store(
         caplog: pytest.LogCaptureFixture) -> None:
     cs = make_contexts(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="celery_resilient.context_cache"):
+    with caplog.at_level(logging.WARNING, logger="celery_resilient.tasks.context_cache"):
         cs.create("d", {"n": 0})
         for _ in range(20):
             ctx = cs.get("d")

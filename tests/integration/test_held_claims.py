@@ -13,9 +13,9 @@ import os
 import subprocess
 import sys
 
-from celery_resilient.identity import pid_alive
-from celery_resilient.receipts import HeldRequests
-from celery_resilient.store.sql import EAGER_SUFFIX, Owner, Receipt, Store
+from celery_resilient.core.identity import EAGER_SUFFIX, Owner, pid_alive
+from celery_resilient.runtime.receipts import HeldRequests
+from celery_resilient.store.sql import Receipt, Store
 
 from .helpers import expire, owner, run, started
 

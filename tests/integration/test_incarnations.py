@@ -12,10 +12,14 @@ import time
 import pytest
 from celery import Celery
 
-from celery_resilient import Resilient, liveness
-from celery_resilient.store.sql import Owner, Store
+from celery_resilient import Resilient
+from celery_resilient.core import liveness
+from celery_resilient.core.identity import Owner
+from celery_resilient.store.sql import Store
 from celery_resilient.testing import wait_for
-from celery_resilient.worker import LeaseKeeper, Maintainer, settle_predecessors
+from celery_resilient.worker.lease import LeaseKeeper
+from celery_resilient.worker.maintainer import Maintainer
+from celery_resilient.worker.step import settle_predecessors
 
 from .helpers import expire_incarnation, owner, run
 
@@ -29,7 +33,7 @@ def _runtime(store: Store, **settings: object) -> Resilient:
 
 def _identity_of_an_exited_process() -> str:
     child = subprocess.Popen([sys.executable, "-c",
-                              "from celery_resilient import liveness;"
+                              "from celery_resilient.core import liveness;"
                               "print(liveness.current(), flush=True)"],
                              stdout=subprocess.PIPE, text=True)
     out, _ = child.communicate(timeout=30)
@@ -47,7 +51,7 @@ def test_a_start_proves_a_dead_predecessor_and_warns_about_a_live_namesake(
     elsewhere = owner("same@host")
     store.register(elsewhere, "otherhost|boot|ns|1|1|tag", 30)  # cannot be judged from here
     store.register(me, liveness.current(), 30)
-    with caplog.at_level(logging.INFO, logger="celery_resilient.worker"):
+    with caplog.at_level(logging.INFO, logger="celery_resilient.worker.step"):
         settle_predecessors(rt, me)
     left = {r.incarnation for r in store.other_incarnations(me)}
     assert left == {alive.incarnation, elsewhere.incarnation}, "only the dead one is stopped"

@@ -7,8 +7,9 @@ import os
 from celery import Celery
 
 from celery_resilient import Resilient
-from celery_resilient.store.sql import Owner, Receipt
-from celery_resilient.worker import Maintainer
+from celery_resilient.core.identity import Owner
+from celery_resilient.store.sql import Receipt
+from celery_resilient.worker.maintainer import Maintainer
 
 
 def _maintainer(pg_url: str, prefix: str) -> tuple[Maintainer, Resilient]:

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from celery_resilient import messages
-from celery_resilient.config import ResilientConfig
+from celery_resilient.core import messages
 from celery_resilient.errors import ConfigurationError
-from celery_resilient.receipts import MAX_PENDING, ReceiptBuffer
+from celery_resilient.runtime.config import ResilientConfig
+from celery_resilient.runtime.receipts import MAX_PENDING, ReceiptBuffer
 from celery_resilient.store.sql import Receipt
 
 SMALL = 1_000  # characters of the task's argument
@@ -72,7 +72,7 @@ def test_byte_bound_drops_the_oldest_with_a_warning(real_receipts: list[Receipt]
     size = ReceiptBuffer.size_of
     limit = sum(size(r) for r in real_receipts[-3:]) + size(real_receipts[-4]) // 2
     buffer = ReceiptBuffer(max_bytes=limit)
-    with caplog.at_level(logging.WARNING, logger="celery_resilient.receipts"):
+    with caplog.at_level(logging.WARNING, logger="celery_resilient.runtime.receipts"):
         for receipt in real_receipts:
             buffer.add(receipt)
             assert buffer.nbytes <= limit
@@ -102,7 +102,7 @@ def test_put_back_keeps_order_and_the_bound(real_receipts: list[Receipt],
     batch = buffer.take_all()  # the maintainer's flush, which then fails
     for receipt in small[10:14]:
         buffer.add(receipt)  # deliveries during the failed flush
-    with caplog.at_level(logging.WARNING, logger="celery_resilient.receipts"):
+    with caplog.at_level(logging.WARNING, logger="celery_resilient.runtime.receipts"):
         buffer.put_back(batch)
     kept = buffer.take_all()
     assert kept == small[2:14], "the oldest two of the put-back batch must go"
@@ -115,7 +115,7 @@ def test_a_receipt_larger_than_the_buffer_is_dropped_alone(
     small, large = real_receipts[0], real_receipts[-1]
     buffer = ReceiptBuffer(max_bytes=ReceiptBuffer.size_of(large) - 1)
     buffer.add(small)
-    with caplog.at_level(logging.WARNING, logger="celery_resilient.receipts"):
+    with caplog.at_level(logging.WARNING, logger="celery_resilient.runtime.receipts"):
         buffer.add(large)
     assert buffer.take_all() == [small]
     assert _dropped(caplog) == [large.work_key]

@@ -6,8 +6,9 @@ half of each transition.
 
 from __future__ import annotations
 
-from celery_resilient.outcomes import OutcomeBuffer, RevokeWatcher
+from celery_resilient.runtime.outcomes import OutcomeBuffer
 from celery_resilient.store.sql import Receipt, Store
+from celery_resilient.worker.receiving import RevokeWatcher
 
 from .helpers import always_live, expire, never_live, owner, run, take
 
@@ -141,18 +142,14 @@ def test_outcome_buffer_keeps_outcomes_through_a_store_outage(store: Store) -> N
     import threading
 
     from celery_resilient.errors import StoreUnavailable
-    from celery_resilient.outcomes import Outcome
-
-    class Runtime:
-        def __init__(self, s: Store) -> None:
-            self.store = s
+    from celery_resilient.runtime.outcomes import Outcome
 
     unreachable = Store("postgresql+psycopg://postgres@127.0.0.1:1/test", store.prefix)
     buf = OutcomeBuffer(threading.Event())
     run(store, "ko", owner("a@host"), task_id="to")
     buf.add(Outcome("to", "failed", "TimeLimitExceeded(1)"))
     try:
-        buf.flush(Runtime(unreachable))  # type: ignore[arg-type]
+        buf.flush(unreachable)
     except StoreUnavailable:
         pass
     else:
@@ -160,7 +157,7 @@ def test_outcome_buffer_keeps_outcomes_through_a_store_outage(store: Store) -> N
     finally:
         unreachable.dispose()
     assert _state(store, "ko") == "running"
-    assert buf.flush(Runtime(store)) == 1  # type: ignore[arg-type]
+    assert buf.flush(store) == 1
     assert _state(store, "ko") == "failed"
 
 
@@ -171,7 +168,7 @@ def test_the_sweep_reports_work_it_ends_to_the_result_backend(store: Store,
     from celery import Celery
 
     from celery_resilient import Resilient
-    from celery_resilient.recovery import sweep
+    from celery_resilient.worker.recovery import sweep
 
     app = Celery("sweep-report", broker=redis_url, backend=redis_url, set_as_current=False)
     app.conf.update(resilient_store_url=store.url, resilient_table_prefix=store.prefix,

@@ -27,7 +27,7 @@ after every step:
   a request is only reported (or stored) as revoked/expired/failed/ignored/cancelled if it
   was; a new request does not inherit the deaths of an ended one;
 - epochs only grow;
-- every change of state the store makes is a transition of ``celery_resilient.states`` whose
+- every change of state the store makes is a transition of ``celery_resilient.core.states`` whose
   ``sources`` include the state it started from.
 
 The tests after the machine are its findings, minimised.
@@ -56,9 +56,9 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import delete, select, update
 
-from celery_resilient import states
-from celery_resilient.errors import StaleClaimError
-from celery_resilient.states import (
+from celery_resilient.core import states
+from celery_resilient.core.identity import Owner
+from celery_resilient.core.states import (
     CANCELLED,
     DEAD,
     DONE,
@@ -74,12 +74,13 @@ from celery_resilient.states import (
     STOPPED_STATES,
     TERMINAL_STATES,
 )
+from celery_resilient.errors import StaleClaimError
 from celery_resilient.store.operator_queries import (
     RETRY_SOURCES,
     OperatorQueries,
     Selection,
 )
-from celery_resilient.store.sql import REVOKE_LIST_ERROR, Ended, Owner, Receipt, Store
+from celery_resilient.store.sql import REVOKE_LIST_ERROR, Ended, Receipt, Store
 
 from .helpers import expire, owner, run, take
 
@@ -272,12 +273,14 @@ class StoreMachine(RuleBasedStateMachine):
                     return inc
         return None
 
-    def _owner_gone(self, u: Unit, judge_leases: bool = True) -> bool:
-        """What the sweep judges: the claim's owner is known gone."""
+    def _owner_gone(self, u: Unit, judge_leases: bool = True,
+                    sweeper: str | None = None) -> bool:
+        """What the sweep judges: the claim's owner is known gone. A sweeper never judges
+        its own incarnation by its lease: it is alive, whatever its last renewal says."""
         inc = self._incarnation(u.inc)
         if inc is None:  # no owner (handed back, re-published, released): its own hold
             return u.lease == "lapsed"
-        return inc.stopped or (judge_leases and inc.lease == "lapsed")
+        return inc.stopped or (judge_leases and inc.lease == "lapsed" and inc.name != sweeper)
 
     def _current(self, node: str) -> Incarnation | None:
         incs = self.incarnations[node]
@@ -768,7 +771,7 @@ class StoreMachine(RuleBasedStateMachine):
         (unless the store was just unreachable), and ownerless claims whose hold lapsed."""
         inc = self._worker(n)
         candidates = {k for k, u in self.units.items()
-                      if u.state in OPEN_STATES and self._owner_gone(u, judge_leases)}
+                      if u.state in OPEN_STATES and self._owner_gone(u, judge_leases, inc.name)}
         ended: list[Ended] = []
         before, after, orphans = self._apply("claim_orphans", lambda: self.store.claim_orphans(
             inc.main, limit, hold, self.max_republish, self.max_hold, ended, 30.0,

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, event, func, select, text
 
-from celery_resilient import codec
-from celery_resilient.checkpoint import Checkpoint
+from celery_resilient.core import codec
+from celery_resilient.core.identity import pid_alive
 from celery_resilient.errors import StaleClaimError, WorkKeyConflict
-from celery_resilient.identity import pid_alive
-from celery_resilient.ledger import Ledger
-from celery_resilient.steps import run_step
 from celery_resilient.store.sql import Store
+from celery_resilient.tasks.checkpoint import Checkpoint
+from celery_resilient.tasks.ledger import Ledger
+from celery_resilient.tasks.steps import run_step
 
 from .helpers import (
     died,
@@ -686,7 +686,7 @@ def test_concurrent_atomic_on_one_key_applies_the_user_writes_once(
 def test_ledger_once_reports_no_race_when_there_is_none(store: Store,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     x = execution(store, run(store, "k", owner()))
-    with caplog.at_level("INFO", logger="celery_resilient.ledger"):
+    with caplog.at_level("INFO", logger="celery_resilient.tasks.ledger"):
         assert Ledger(store, x).once("solo", lambda: "r") == "r"
     assert [r for r in caplog.records if getattr(r, "action", None) == "ledger_race"] == []
 

@@ -13,11 +13,14 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_resilient import Resilient, liveness, recovery
-from celery_resilient.store.sql import Owner, Receipt, Store
+from celery_resilient import Resilient
+from celery_resilient.core import liveness
+from celery_resilient.core.identity import Owner
+from celery_resilient.store.sql import Receipt, Store
 from celery_resilient.testing import wait_for
 from celery_resilient.testing.services import ThrowawayRedis
-from celery_resilient.worker import LeaseKeeper
+from celery_resilient.worker import recovery
+from celery_resilient.worker.lease import LeaseKeeper
 
 from .helpers import died, owner
 

@@ -34,12 +34,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from celery_resilient import codec
+from celery_resilient.core import codec
 from celery_resilient.errors import StoreUnavailable
-from celery_resilient.ledger import Ledger
 from celery_resilient.store import engine as engine_module
 from celery_resilient.store import transient
 from celery_resilient.store.sql import Store, guarded
+from celery_resilient.tasks.ledger import Ledger
 from celery_resilient.testing import wait_for
 
 from .helpers import execution, owner, run

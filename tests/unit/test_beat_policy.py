@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from celery_resilient import liveness
 from celery_resilient.beat.policy import CAP, DEADLINE, POLICY, CatchupPolicy, decide, strip_options
 from celery_resilient.beat.scheduler import task_id_for, work_key_for
-from celery_resilient.config import ResilientConfig
+from celery_resilient.core import liveness
 from celery_resilient.errors import ScheduleError
+from celery_resilient.runtime.config import ResilientConfig
 
 S = 1_000_000
 NOW = 1_000 * S
@@ -99,7 +99,7 @@ def test_liveness_proves_only_what_it_can() -> None:
     me = liveness.current()
     assert not liveness.is_dead(me)
     child = subprocess.Popen([sys.executable, "-c",
-                              "from celery_resilient import liveness;"
+                              "from celery_resilient.core import liveness;"
                               "print(liveness.current(), flush=True);"
                               "import sys; sys.stdin.read()"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

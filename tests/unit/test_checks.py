@@ -7,7 +7,7 @@ from typing import Any
 from celery import Celery
 
 from celery_resilient import ResumableTask
-from celery_resilient.checks import time_limit_warnings
+from celery_resilient.worker.checks import time_limit_warnings
 
 
 def _app(broker: str, **conf: Any) -> Celery:

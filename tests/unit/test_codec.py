@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from celery_resilient import codec
+from celery_resilient.core import codec
 from celery_resilient.errors import ResilientError, SerializationError
 
 VALUES: list[Any] = [

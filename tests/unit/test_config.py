@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_resilient.config import PREFIX, ResilientConfig, sanitize_url
 from celery_resilient.errors import ConfigurationError
+from celery_resilient.runtime.config import PREFIX, ResilientConfig
+from celery_resilient.store.engine import sanitize_url
 
 
 def test_defaults_from_an_empty_conf(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

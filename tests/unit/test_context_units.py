@@ -16,8 +16,8 @@ from celery_resilient import (
     ResilientConfig,
     SerializationError,
 )
-from celery_resilient.context import Context, ContextStats, _check_key, _encode
-from celery_resilient.context_cache import CacheUnavailable, LocalContextCache, Lookup
+from celery_resilient.tasks.context import Context, ContextStats, _check_key, _encode
+from celery_resilient.tasks.context_cache import CacheUnavailable, LocalContextCache, Lookup
 
 
 def app_with(broker: str, tmp_path: object, **conf: object) -> Celery:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_resilient.config import ResilientConfig
+from celery_resilient.runtime.config import ResilientConfig
 
 
 def test_a_worker_app_defaults_to_the_working_directory(

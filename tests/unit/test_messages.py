@@ -16,7 +16,7 @@ from kombu import Connection, Exchange, Queue
 from kombu.message import Message
 from kombu.serialization import registry
 
-from celery_resilient import messages
+from celery_resilient.core import messages
 from celery_resilient.errors import SerializationError
 
 
@@ -305,7 +305,7 @@ def test_unpublishable_names_the_problem(stored: str | None, reason: str) -> Non
 
 def test_without_expiry_edits_a_serialized_call_form() -> None:
     """The options of a pickle call form stay JSON: an operator's retry can drop expires."""
-    from celery_resilient.operations import without_expiry
+    from celery_resilient.ops.operations import without_expiry
 
     app = _app("pickle")
     stored = messages.from_signature(_task(app).signature(({1},), task_id="t", expires=30))

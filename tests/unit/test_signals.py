@@ -11,7 +11,7 @@ from celery.utils.dispatch import Signal
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from celery_resilient import ConfigurationError, Resilient, ResilientConfig, signals
-from celery_resilient.metrics import ResilientMetrics
+from celery_resilient.runtime.metrics import ResilientMetrics
 
 DOCUMENTED = {
     "work_recovered": {"work_key", "task_id", "previous_state", "previous_owner"},
@@ -105,6 +105,7 @@ def test_resilient_metrics_setting_connects_the_default_registry() -> None:
     task = f"proj.metrics-{uuid.uuid4().hex[:6]}"
     app = app_with(resilient_metrics=True)
     assert app.conf.resilient_metrics is True
+    assert Resilient.of(app).config.metrics  # read by every sender before it acts
     signals.send(signals.duplicate_skipped, app, task, work_key="k", task_id="t", task=task,
                  reason="done")
     signals.send(signals.duplicate_skipped, app, task, work_key="k", task_id="t", task=task,

@@ -16,7 +16,8 @@ from celery import Celery
 from celery.result import AsyncResult
 from celery.utils.dispatch import Signal
 
-from celery_resilient import CheckpointError, Resilient, ResumableTask, WorkDead, codec, signals
+from celery_resilient import CheckpointError, Resilient, ResumableTask, WorkDead, signals
+from celery_resilient.core import codec
 from celery_resilient.store.sql import Store
 from tests.integration.helpers import expire, never_live, owner, run, take
 

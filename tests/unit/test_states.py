@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_resilient import states
+from celery_resilient.core import states
 
 DOC = Path(__file__).parents[2] / "docs" / "architecture.md"
 

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_resilient import ResumableTask, workkey
+from celery_resilient import ResumableTask
+from celery_resilient.core import workkey
 from celery_resilient.errors import ResilientError
 
 

@@ -5,7 +5,7 @@ without a store URL, the ``default`` entry of ``DATABASES`` is used. See ``docs/
 This module imports no model, so it is safe to import before Django is set up.
 """
 
-from .conf import (
+from celery_resilient.contrib.django.conf import (
     SETTINGS_PREFIX,
     celery_app,
     configure_from_django,

@@ -1,7 +1,7 @@
 """Read-only admin views of the store: work, checkpoints, beat slots, contexts, workers.
 
 Nothing here writes a row itself. The operator actions on work call
-:mod:`celery_resilient.operations`, which checks every row again under its lock and says
+:mod:`celery_resilient.ops.operations`, which checks every row again under its lock and says
 why it refuses one: re-publish dead or stuck work, cancel open work, retry ended work,
 forget ended work. Each action needs its own permission (``republish_work``,
 ``cancel_work``, ``retry_work``, ``forget_work``); a user without it does not see it. Lease
@@ -21,10 +21,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from ... import operations
-from ...operations import ActionReport, RepublishRefused, Selection, republish
-from .conf import runtime
-from .models import (
+from celery_resilient.contrib.django.conf import runtime
+from celery_resilient.contrib.django.models import (
     Checkpoint,
     Context,
     ScheduleMarker,
@@ -33,6 +31,8 @@ from .models import (
     WorkerIncarnation,
     as_datetime,
 )
+from celery_resilient.ops import operations
+from celery_resilient.ops.operations import ActionReport, RepublishRefused, Selection, republish
 
 MAX_JSON_CHARS = 20_000
 F = TypeVar("F", bound=Callable[..., Any])

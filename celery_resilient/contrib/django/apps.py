@@ -8,7 +8,14 @@ from typing import Any
 from django.apps import AppConfig
 from django.core import checks
 
-from ...errors import ConfigurationError
+from celery_resilient.contrib.django.checks import check_store_schema
+from celery_resilient.contrib.django.conf import (
+    configure_from_django,
+    resilient_apps,
+    settings_config,
+)
+from celery_resilient.contrib.django.testdb import follow_test_databases
+from celery_resilient.errors import ConfigurationError
 
 _SETTING_NAME = re.compile(r"\bresilient_([a-z0-9_]+)")
 
@@ -19,19 +26,13 @@ class CeleryResilientConfig(AppConfig):  # type: ignore[misc]
     verbose_name = "Celery resilient"
 
     def ready(self) -> None:
-        from .conf import configure_from_django, resilient_apps
-
         # The usual layout imports proj/celery.py (Celery app + Resilient) from
         # proj/__init__.py, so the app exists by now; a later one can call
         # configure_from_django(app) itself.
         for app in resilient_apps():
             configure_from_django(app)
-        from .testdb import follow_test_databases  # the store follows test databases
-
         follow_test_databases()
         checks.register(check_settings, "celery_resilient")
-        from .checks import check_store_schema
-
         checks.register(check_store_schema, "celery_resilient", checks.Tags.database)
 
 
@@ -41,8 +42,6 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     Celery itself does not reject unknown namespaced keys, so a misspelt one would otherwise
     be ignored silently.
     """
-    from .conf import settings_config
-
     try:
         settings_config()
     except ConfigurationError as exc:

@@ -13,11 +13,11 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from sqlalchemy.exc import SQLAlchemyError
 
-from ...cli import describe_store
-from ...errors import ResilientError
-from ...store import migrate as migrations
-from ...store.sql import Store
-from .conf import store_config
+from celery_resilient.contrib.django.conf import store_config
+from celery_resilient.errors import ResilientError
+from celery_resilient.ops.reports import describe_store
+from celery_resilient.store import migrate as migrations
+from celery_resilient.store.sql import Store
 
 MIGRATE_COMMAND = "python manage.py resilient_migrate"
 

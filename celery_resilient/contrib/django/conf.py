@@ -14,18 +14,18 @@ import importlib
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import Celery
+from celery._state import _get_active_apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import URL
 
-from ...config import PREFIX, ResilientConfig, sanitize_url
-from ...errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from ...app import Resilient
+from celery_resilient.errors import ConfigurationError
+from celery_resilient.runtime.config import PREFIX, ResilientConfig
+from celery_resilient.runtime.runtime import _ATTR, Runtime
+from celery_resilient.store.engine import sanitize_url
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def database_url(alias: str = "default",
     the string-valued libpq ``OPTIONS``; SQLite becomes ``sqlite:///<absolute path>``. An
     in-memory SQLite database or another engine raises :class:`ConfigurationError`: set
     ``CELERY_RESILIENT_STORE_URL`` then. The returned URL holds the password: log it only
-    through :func:`celery_resilient.config.sanitize_url`.
+    through :func:`celery_resilient.store.engine.sanitize_url`.
     """
     dbs = settings.DATABASES if databases is None else databases
     if alias not in dbs:
@@ -124,10 +124,6 @@ def reads_django_settings(app: Celery) -> bool:
 
 def resilient_apps() -> list[Celery]:
     """Live Celery apps with ``Resilient`` applied whose settings come from Django."""
-    from celery._state import _get_active_apps
-
-    from ...app import _ATTR
-
     return [a for a in list(_get_active_apps())
             if getattr(a, _ATTR, None) is not None and reads_django_settings(a)]
 
@@ -157,11 +153,9 @@ def celery_app() -> Celery:
         f"{CELERY_APP_SETTING} = 'proj.celery:app'")
 
 
-def runtime() -> Resilient:
+def runtime() -> Runtime:
     """The ``Resilient`` runtime of the project's Celery app."""
-    from ...app import Resilient
-
-    return Resilient.of(celery_app())
+    return Runtime.of(celery_app())
 
 
 def settings_mapping() -> dict[str, Any]:
@@ -186,9 +180,7 @@ def store_config() -> ResilientConfig:
         if getattr(settings, CELERY_APP_SETTING, None):
             raise
         return settings_config()
-    from ...app import Resilient
-
-    return Resilient.of(app).config
+    return Runtime.of(app).config
 
 
 def table_prefix() -> str:

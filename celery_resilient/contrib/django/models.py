@@ -3,25 +3,34 @@
 The store owns its schema (``manage.py resilient_migrate`` runs its Alembic migrations);
 Django never creates, alters or migrates these tables (``managed = False``), and the admin
 never writes them itself: the changes an operator can make (re-publish, cancel, retry,
-forget) go through :mod:`celery_resilient.operations`, each behind its own permission.
+forget) go through :mod:`celery_resilient.ops.operations`, each behind its own permission.
 The table names follow ``CELERY_RESILIENT_TABLE_PREFIX`` (``resilient_`` by default), read
 when this module is imported. They are queried through Django's ``default`` database, so
 the admin shows the store only when the store lives in that database.
 
-Times are stored as float seconds since the epoch (by the database's clock); the ``*_dt``
-properties give aware datetimes for display.
+Every field comes from the table definitions in :mod:`celery_resilient.store.schema`
+(:func:`columns`), so a migration that adds a column reaches the admin without a second
+copy of the schema; a model only names what Django needs beyond the table (choices, the
+relation of a checkpoint to its work, one primary key where the table has a composite one).
+
+Times are stored as float seconds since the epoch (by the database's clock);
+:func:`as_datetime` gives aware datetimes for display.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import Any
 
 from django.db import models
+from sqlalchemy import BigInteger, Float, Integer, String, Table, Text
 
-from ...states import ALL_STATES
-from .conf import table_prefix
+from celery_resilient.contrib.django.conf import table_prefix
+from celery_resilient.core.states import ALL_STATES
+from celery_resilient.store.schema import build_tables
 
 PREFIX = table_prefix()
+TABLES = build_tables(PREFIX)
 STATES = [(s, s) for s in ALL_STATES]
 SLOT_STATES = [(s, s) for s in ("claimed", "sent", "started", "skipped")]
 
@@ -30,145 +39,98 @@ def as_datetime(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-class Work(models.Model):  # type: ignore[misc]
-    """One unit of work (``<prefix>work``): its claim, lease, counters and stored message."""
-
-    work_key = models.CharField(max_length=255, primary_key=True)
-    task_name = models.CharField(max_length=255)
-    task_id = models.CharField(max_length=255)
-    args_digest = models.CharField(max_length=64, null=True)
-    state = models.CharField(max_length=16, choices=STATES)
-    epoch = models.BigIntegerField()
-    owner_node = models.CharField(max_length=255, null=True)
-    incarnation = models.CharField(max_length=64, null=True)
-    owner_pid = models.IntegerField(null=True)
-    lease_expires_at = models.FloatField(null=True)
-    attempts = models.IntegerField()
-    deaths = models.IntegerField()
-    republished = models.IntegerField()
-    message_json = models.TextField(null=True)
-    result_json = models.TextField(null=True)
-    error = models.TextField(null=True)
-    created_at = models.FloatField()
-    updated_at = models.FloatField()
-    finished_at = models.FloatField(null=True)
-
-    class Meta:
-        managed = False
-        db_table = f"{PREFIX}work"
-        verbose_name = "work"
-        verbose_name_plural = "work"
-        ordering = ["-updated_at"]
-        default_permissions = ("view",)
-        permissions = [("republish_work", "Can re-publish dead or stuck work"),
-                       ("cancel_work", "Can cancel open work"),
-                       ("retry_work", "Can retry ended work"),
-                       ("forget_work", "Can forget (delete) ended work")]
-
-    def __str__(self) -> str:
-        return str(self.work_key)
+def _field(column: Any, primary_key: bool) -> models.Field:
+    kind, opts = column.type, {"null": bool(column.nullable) and not primary_key,
+                               "primary_key": primary_key}
+    if isinstance(kind, String) and not isinstance(kind, Text):
+        return models.CharField(max_length=kind.length, **opts)
+    if isinstance(kind, Text):
+        return models.TextField(**opts)
+    if isinstance(kind, BigInteger):
+        return models.BigIntegerField(**opts)
+    if isinstance(kind, Integer):
+        return models.IntegerField(**opts)
+    if isinstance(kind, Float):
+        return models.FloatField(**opts)
+    raise TypeError(f"column {column.table.name}.{column.name}: no Django field for {kind!r}")
 
 
-class Checkpoint(models.Model):  # type: ignore[misc]
-    """The last checkpoint of a unit of work (``<prefix>checkpoints``)."""
-
-    work = models.OneToOneField(Work, primary_key=True, db_column="work_key",
-                                db_constraint=False, on_delete=models.DO_NOTHING,
-                                related_name="checkpoint")
-    epoch = models.BigIntegerField()
-    seq = models.BigIntegerField()
-    state_json = models.TextField()
-    updated_at = models.FloatField()
-
-    class Meta:
-        managed = False
-        db_table = f"{PREFIX}checkpoints"
-        default_permissions = ("view",)
-
-    def __str__(self) -> str:
-        return f"checkpoint {self.seq} of {self.pk}"
+def columns(table: Table, pk: str | None = None, **overrides: models.Field) -> dict[str, Any]:
+    """Django fields for every column of ``table``; ``pk`` names the primary key where the
+    table's is composite; ``overrides`` replace the derived field of a column."""
+    keys = [c.name for c in table.primary_key.columns]
+    pk = pk or (keys[0] if len(keys) == 1 else None)
+    if pk is None:
+        raise TypeError(f"table {table.name} has a composite key: name the field Django uses")
+    fields: dict[str, Any] = {}
+    for column in table.columns:
+        if column.name in overrides:
+            continue
+        fields[column.name] = _field(column, column.name == pk)
+    fields.update(overrides)
+    return fields
 
 
-class ScheduleRun(models.Model):  # type: ignore[misc]
-    """One beat slot (``<prefix>schedule_runs``).
-
-    The table's key is (entry, slot); its task id is derived from both (uuid5), so it is
-    unique too and serves as Django's primary key.
-    """
-
-    task_id = models.CharField(max_length=255, primary_key=True)
-    entry = models.CharField(max_length=255)
-    slot = models.FloatField()
-    state = models.CharField(max_length=16, choices=SLOT_STATES)
-    owner = models.CharField(max_length=255, null=True)
-    claimed_at = models.FloatField()
-    sent_at = models.FloatField(null=True)
-
-    class Meta:
-        managed = False
-        db_table = f"{PREFIX}schedule_runs"
-        verbose_name = "schedule slot"
-        ordering = ["-slot"]
-        default_permissions = ("view",)
-
-    def __str__(self) -> str:
-        return f"{self.entry} @ {as_datetime(self.slot)}"
+def _model(name: str, table: Table, meta: dict[str, Any], fields: dict[str, Any],
+           **methods: Any) -> Any:
+    meta = {"managed": False, "db_table": table.name, "default_permissions": ("view",), **meta}
+    attrs = {"__module__": __name__, "__qualname__": name, "Meta": type("Meta", (), meta),
+             **fields, **methods}
+    return type(models.Model)(name, (models.Model,), attrs)
 
 
-class ScheduleMarker(models.Model):  # type: ignore[misc]
-    """The last slot a beat entry has reached (``<prefix>schedule_markers``)."""
+Work = _model(
+    "Work", TABLES.work,
+    {"verbose_name": "work", "verbose_name_plural": "work", "ordering": ["-updated_at"],
+     "permissions": [("republish_work", "Can re-publish dead or stuck work"),
+                     ("cancel_work", "Can cancel open work"),
+                     ("retry_work", "Can retry ended work"),
+                     ("forget_work", "Can forget (delete) ended work")]},
+    columns(TABLES.work, state=models.CharField(max_length=16, choices=STATES)),
+    __doc__="One unit of work (``<prefix>work``): its claim, lease, counters and message.",
+    __str__=lambda self: str(self.work_key),
+)
 
-    entry = models.CharField(max_length=255, primary_key=True)
-    last_slot = models.FloatField()
-    definition_json = models.TextField(null=True)
-    updated_at = models.FloatField()
+Checkpoint = _model(
+    "Checkpoint", TABLES.checkpoints, {},
+    columns(TABLES.checkpoints, pk="work_key", work_key=models.OneToOneField(
+        Work, primary_key=True, db_column="work_key", db_constraint=False,
+        on_delete=models.DO_NOTHING, related_name="checkpoint")),
+    __doc__="The last checkpoint of a unit of work (``<prefix>checkpoints``).",
+    __str__=lambda self: f"checkpoint {self.seq} of {self.pk}",
+)
 
-    class Meta:
-        managed = False
-        db_table = f"{PREFIX}schedule_markers"
-        verbose_name = "schedule marker"
-        ordering = ["entry"]
-        default_permissions = ("view",)
+# The table's key is (entry, slot); its task id is derived from both (uuid5), so it is
+# unique too and serves as Django's primary key.
+ScheduleRun = _model(
+    "ScheduleRun", TABLES.schedule_runs,
+    {"verbose_name": "schedule slot", "ordering": ["-slot"]},
+    columns(TABLES.schedule_runs, pk="task_id",
+            state=models.CharField(max_length=16, choices=SLOT_STATES)),
+    __doc__="One beat slot (``<prefix>schedule_runs``).",
+    __str__=lambda self: f"{self.entry} @ {as_datetime(self.slot)}",
+)
 
-    def __str__(self) -> str:
-        return str(self.entry)
+ScheduleMarker = _model(
+    "ScheduleMarker", TABLES.schedule_markers,
+    {"verbose_name": "schedule marker", "ordering": ["entry"]},
+    columns(TABLES.schedule_markers),
+    __doc__="The last slot a beat entry has reached (``<prefix>schedule_markers``).",
+    __str__=lambda self: str(self.entry),
+)
 
+Context = _model(
+    "Context", TABLES.contexts,
+    {"verbose_name": "context", "ordering": ["-updated_at"]},
+    columns(TABLES.contexts),
+    __doc__="A continuity context (``<prefix>contexts``).",
+    __str__=lambda self: str(self.key),
+)
 
-class Context(models.Model):  # type: ignore[misc]
-    """A continuity context (``<prefix>contexts``)."""
-
-    key = models.CharField(max_length=255, primary_key=True)
-    version = models.BigIntegerField()
-    data_json = models.TextField()
-    updated_at = models.FloatField()
-
-    class Meta:
-        managed = False
-        db_table = f"{PREFIX}contexts"
-        verbose_name = "context"
-        ordering = ["-updated_at"]
-        default_permissions = ("view",)
-
-    def __str__(self) -> str:
-        return str(self.key)
-
-
-class WorkerIncarnation(models.Model):  # type: ignore[misc]
-    """One start of a worker node and its last heartbeat (``<prefix>workers``)."""
-
-    incarnation = models.CharField(max_length=64, primary_key=True)
-    node = models.CharField(max_length=255)
-    pid = models.IntegerField()
-    started_at = models.FloatField()
-    heartbeat_at = models.FloatField()
-    stopped_at = models.FloatField(null=True)
-
-    class Meta:
-        managed = False
-        db_table = f"{PREFIX}workers"
-        verbose_name = "worker incarnation"
-        ordering = ["-heartbeat_at"]
-        default_permissions = ("view",)
-
-    def __str__(self) -> str:
-        return f"{self.node} ({self.incarnation})"
+WorkerIncarnation = _model(
+    "WorkerIncarnation", TABLES.workers,
+    {"verbose_name": "worker incarnation", "ordering": ["-heartbeat_at"]},
+    columns(TABLES.workers),
+    __doc__="One start of a worker node and its lease (``<prefix>workers``).",
+    __str__=lambda self: f"{self.node} ({self.incarnation})",
+)

@@ -39,14 +39,15 @@ from django.db import DEFAULT_DB_ALIAS
 from django.db.backends.base.base import NO_DB_ALIAS
 from django.db.backends.signals import connection_created
 
-from ...app import Resilient
-from ...config import PREFIX, sanitize_url
-from ...errors import ConfigurationError
-from ...store.sql import Store
-from ...testing.stores import empty_store as _empty
-from ...testing.stores import forget_store, use_store
-from ...testing.stores import table_prefix as app_table_prefix
-from .conf import _CONFIGURED, database_url, table_prefix
+from celery_resilient.contrib.django.conf import _CONFIGURED, database_url, table_prefix
+from celery_resilient.errors import ConfigurationError
+from celery_resilient.runtime.config import PREFIX
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.engine import sanitize_url
+from celery_resilient.store.sql import Store
+from celery_resilient.testing.stores import empty_store as _empty
+from celery_resilient.testing.stores import forget_store, use_store
+from celery_resilient.testing.stores import table_prefix as app_table_prefix
 
 log = logging.getLogger(__name__)
 _URL_KEY = PREFIX + "store_url"
@@ -99,7 +100,7 @@ def _on_connection_created(sender: Any = None, connection: Any = None, **_: Any)
     alias = getattr(connection, "alias", None)
     if alias == NO_DB_ALIAS:  # creating or dropping a database: release the store's
         for app in _django_apps():
-            rt = Resilient.enabled_on(app)
+            rt = Runtime.enabled_on(app)
             if rt is not None and app.configured and app.conf.get(_URL_KEY) in _test.values():
                 forget_store(rt)
         return
@@ -139,7 +140,7 @@ def _prepare(url: str, prefix: str) -> None:
 
 def _django_apps() -> list[Any]:
     return [a for a in list(_get_active_apps())
-            if Resilient.enabled_on(a) is not None and getattr(a, _CONFIGURED, False)]
+            if Runtime.enabled_on(a) is not None and getattr(a, _CONFIGURED, False)]
 
 
 def empty_store(alias: str = DEFAULT_DB_ALIAS) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from celery_resilient import codec, messages
-from celery_resilient.store.sql import Owner, Store
+from celery_resilient.core import codec, messages
+from celery_resilient.core.identity import Owner
+from celery_resilient.store.sql import Store
 
 TASK = "djproj.noop"
 LIVE = Owner("live@host", "inc-live", 101)

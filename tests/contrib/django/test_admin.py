@@ -17,7 +17,8 @@ from django.test import Client
 from kombu import Connection
 from sqlalchemy import select
 
-from celery_resilient import Resilient, codec
+from celery_resilient import Resilient
+from celery_resilient.core import codec
 from celery_resilient.errors import WorkStopped
 from celery_resilient.store.contexts import ContextRows
 from celery_resilient.store.schedule import ScheduleStore

@@ -21,7 +21,7 @@ import pytest
 from celery import Celery
 from django.db import connections
 
-from celery_resilient import codec
+from celery_resilient.core import codec
 from celery_resilient.store.sql import Store
 from celery_resilient.testing import wait_for
 from celery_resilient.testing.nodes import LocalWorker

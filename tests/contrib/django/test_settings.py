@@ -80,7 +80,7 @@ import json, os
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.contrib.django.settings"
 from celery import Celery
 from celery_resilient import Resilient
-from celery_resilient.config import sanitize_url
+from celery_resilient.store.engine import sanitize_url
 # proj/celery.py, imported by proj/__init__.py before Django is set up
 app = Celery("proj")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -9,9 +9,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from .....cli import migrate_report, migrate_text
-from .....errors import ResilientError
-from ...conf import store_config
+from celery_resilient.contrib.django.conf import store_config
+from celery_resilient.errors import ResilientError
+from celery_resilient.ops.reports import migrate_report, migrate_text
 
 
 class Command(BaseCommand):  # type: ignore[misc]

@@ -8,9 +8,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from .....cli import render_status, status_report
-from .....errors import ResilientError
-from ...conf import store_config
+from celery_resilient.contrib.django.conf import store_config
+from celery_resilient.errors import ResilientError
+from celery_resilient.ops.reports import render_status, status_report
 
 MIGRATE_COMMAND = "python manage.py resilient_migrate"
 

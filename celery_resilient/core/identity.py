@@ -11,8 +11,21 @@ import os
 import socket
 import threading
 import uuid
+from dataclasses import dataclass
 
-from .store.sql import EAGER_SUFFIX, Owner
+#: The incarnation suffix of eager executions' claims (``task.apply()``, eager mode): no
+#: worker's pool accounts for them, so they live by their own lease.
+EAGER_SUFFIX = ":eager"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds a claim: worker node name, per-start incarnation id, and process id."""
+
+    node: str
+    incarnation: str
+    pid: int
+
 
 _incarnation: str = uuid.uuid4().hex
 _active: set[str] = set()

@@ -15,7 +15,7 @@ import socket
 import uuid
 from functools import lru_cache
 
-from .identity import pid_alive
+from celery_resilient.core.identity import pid_alive
 
 SEP = "|"
 

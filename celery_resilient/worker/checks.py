@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery_resilient.tasks.task import ResumableTask
+
 log = logging.getLogger(__name__)
 REDIS_DEFAULT_VISIBILITY = 3600.0
 RABBITMQ_DEFAULT_CONSUMER_TIMEOUT = 1800.0
@@ -12,8 +14,6 @@ RABBITMQ_DEFAULT_CONSUMER_TIMEOUT = 1800.0
 
 def time_limit_warnings(app: Any) -> list[str]:
     """Warnings for resumable tasks whose time limit outlives the broker's patience."""
-    from .task import ResumableTask
-
     scheme = (app.conf.broker_url or "").split("://", 1)[0].split("+", 1)[0].lower()
     opts = app.conf.broker_transport_options or {}
     warnings: list[str] = []

@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from . import messages, signals
-from .errors import ResilientError, WorkDead
-from .states import DEAD, REQUEUED, REVOKED
-from .store.sql import Ended, Orphan, Owner
-
-if TYPE_CHECKING:
-    from .app import Resilient
+from celery_resilient import signals
+from celery_resilient.core import messages
+from celery_resilient.core.identity import Owner
+from celery_resilient.core.states import DEAD, REQUEUED, REVOKED
+from celery_resilient.errors import ResilientError, WorkDead
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.sql import Ended, Orphan
 
 log = logging.getLogger(__name__)
-REPUBLISHED_HEADER = "resilient_republished"
 
 
 #: Seconds a sweep waits for the broker before it leaves its orphans for the next round.
 BROKER_TIMEOUT = 2.0
 
 
-def sweep(rt: Resilient, owner: Owner, judge_leases: bool = True) -> list[Orphan]:
+def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True) -> list[Orphan]:
     """One recovery round; returns the orphans it re-published.
 
     The broker is checked first, with a timeout: while it is unreachable no orphan is
@@ -62,8 +60,8 @@ def sweep(rt: Resilient, owner: Owner, judge_leases: bool = True) -> list[Orphan
                 continue
             assert orphan.message_json is not None  # unpublishable() said why if it were
             try:
-                messages.publish(conn, orphan.message_json, {REPUBLISHED_HEADER: 1}, rt.app,
-                                 retries=orphan.retries)
+                messages.publish(conn, orphan.message_json, {messages.REPUBLISHED_HEADER: 1},
+                                 rt.app, retries=orphan.retries)
             except Exception as exc:
                 # The broker went away mid-batch: the rest waits for the next round.
                 unsent = [o.work_key for o in orphans[i:] if o.message_json is not None]
@@ -84,7 +82,7 @@ def sweep(rt: Resilient, owner: Owner, judge_leases: bool = True) -> list[Orphan
     return sent
 
 
-def unrecoverable(rt: Resilient, orphan: Orphan, why: str, extra: Mapping[str, object]) -> None:
+def unrecoverable(rt: Runtime, orphan: Orphan, why: str, extra: Mapping[str, object]) -> None:
     """An orphan whose stored message cannot be sent (none was kept, or it cannot be
     decoded here): it ends ``dead`` once, with the reason, instead of being swept for ever.
 
@@ -109,7 +107,7 @@ def unrecoverable(rt: Resilient, orphan: Orphan, why: str, extra: Mapping[str, o
         report_ended(rt, Ended(orphan.work_key, orphan.task_id, orphan.task_name, DEAD, reason))
 
 
-def report_ended(rt: Resilient, e: Ended) -> None:
+def report_ended(rt: Runtime, e: Ended) -> None:
     """Tell the caller: its owner died, so nobody else writes this request's result."""
     log.warning("work %s ended %s instead of being re-published: %s", e.work_key, e.state,
                 e.reason, extra={"action": f"work_{e.state}", "work_key": e.work_key,

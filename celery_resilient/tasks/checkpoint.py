@@ -7,10 +7,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from . import codec, handoff
-from .errors import CheckpointError, SerializationError
-from .execution import Execution, refuse_inside_atomic
-from .testing import killpoints
+from celery_resilient.core import codec, handoff, killpoints
+from celery_resilient.errors import CheckpointError, SerializationError
+from celery_resilient.tasks.execution import Execution, refuse_inside_atomic
 
 log = logging.getLogger(__name__)
 _MISSING: Any = object()

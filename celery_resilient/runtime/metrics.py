@@ -27,7 +27,7 @@ from typing import Any
 from celery.utils.dispatch import Signal
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from . import signals
+from celery_resilient import signals
 
 _installed: ResilientMetrics | None = None
 _lock = threading.Lock()
@@ -64,7 +64,7 @@ class ResilientMetrics:
             signals.slot_caught_up: self.slots_caught_up,
             signals.work_handed_off: self.work_handed_off,
         }
-        self._uid = f"celery_resilient.metrics:{id(self)}"
+        self._uid = f"celery_resilient.runtime.metrics:{id(self)}"
 
     def _receive(self, signal: Signal | None = None, sender: Any = None, **_: Any) -> None:
         counter = self._by_signal.get(signal) if signal is not None else None

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from celery import Task
 from celery.backends.base import DisabledBackend
@@ -20,20 +20,24 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from . import codec, handoff, identity, messages, receipts, signals, workkey
-from .checkpoint import Checkpoint
-from .config import ResilientConfig
-from .context import Context, task_context
-from .errors import ResilientError, StaleClaimError, StoreUnavailable, WorkDead, WorkStopped
-from .execution import Execution
-from .ledger import Ledger
-from .recovery import REPUBLISHED_HEADER
-from .states import FAILED, IGNORED
-from .steps import run_step
-from .testing import killpoints
-
-if TYPE_CHECKING:
-    from .app import Resilient
+from celery_resilient import signals
+from celery_resilient.core import codec, handoff, identity, killpoints, messages, workkey
+from celery_resilient.core.states import FAILED, IGNORED
+from celery_resilient.errors import (
+    ResilientError,
+    StaleClaimError,
+    StoreUnavailable,
+    WorkDead,
+    WorkStopped,
+)
+from celery_resilient.runtime.config import ResilientConfig
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.tasks import submission
+from celery_resilient.tasks.checkpoint import Checkpoint
+from celery_resilient.tasks.context import Context, task_context
+from celery_resilient.tasks.execution import Execution
+from celery_resilient.tasks.ledger import Ledger
+from celery_resilient.tasks.steps import run_step
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -53,7 +57,7 @@ class ResumableTask(Task):  # type: ignore[misc]
     reject_on_worker_lost = True
     #: The main process's request: records a hard time limit as the task's failure, and
     #: releases the message from the worker's held requests when it is acked or rejected.
-    Request = "celery_resilient.outcomes:ResumableRequest"
+    Request = "celery_resilient.tasks.request:ResumableRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A ``__call__`` of a subclass or mixin (Flask's ``FlaskTask`` pattern: the body run
@@ -79,10 +83,8 @@ class ResumableTask(Task):  # type: ignore[misc]
     # -- what task bodies use --------------------------------------------------------------
 
     @property
-    def resilient(self) -> Resilient:
-        from .app import Resilient
-
-        return Resilient.of(self.app)
+    def resilient(self) -> Runtime:
+        return Runtime.of(self.app)
 
     @property
     def execution(self) -> Execution:
@@ -173,7 +175,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         who = identity.owner(req.hostname, eager=bool(req.is_eager))
         try:
             outcome = rt.store.take(
-                work_key, self.name, req.id, _digest_or_none(args, kwargs), who,
+                work_key, self.name, req.id, codec.args_digest(args, kwargs), who,
                 rt.config.lease_seconds, rt.config.max_attempts,
                 is_live=_is_live_here(work_key, who.pid),
                 supersedes=_as_int(_header(req, SUPERSEDES_HEADER)),
@@ -235,9 +237,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         No claim: checkpoints start empty and steps run, both kept in memory for this call
         only; nothing is resumed, fenced or recorded as work. The ledger still applies.
         """
-        from .app import Resilient
-
-        rt = Resilient.enabled_on(self.app)
+        rt = Runtime.enabled_on(self.app)
         config = rt.config if rt is not None else ResilientConfig()
         key = self._work_key_for(f"direct-{uuid()}", args, kwargs)
         token = _direct_execution.set(Execution.for_direct_call(config, key))
@@ -248,7 +248,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         finally:
             _direct_execution.reset(token)
 
-    def _run_claimed(self, rt: Resilient, epoch: int, ctx: dict[str, Any],
+    def _run_claimed(self, rt: Runtime, epoch: int, ctx: dict[str, Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any],
                      body: Callable[..., Any] | None = None) -> Any:
         """Run the body under the claim and end the claim by what Celery will do next."""
@@ -301,7 +301,7 @@ class ResumableTask(Task):  # type: ignore[misc]
             self._record_end(rt, epoch, ctx, exc, FAILED)
             raise
 
-    def _hand_back(self, rt: Resilient, epoch: int, ctx: dict[str, Any],
+    def _hand_back(self, rt: Runtime, epoch: int, ctx: dict[str, Any],
                    delay: float, next_retries: int, clear_checkpoint: bool = False) -> None:
         """The claim goes back to ``requeued``: the re-sent message takes it, no death."""
         try:
@@ -313,7 +313,7 @@ class ResumableTask(Task):  # type: ignore[misc]
             log.warning("could not hand %s back (%s); the re-sent copy takes it over",
                         ctx["work_key"], exc, extra={"action": "store_retry", **ctx})
 
-    def _hand_off(self, rt: Resilient, epoch: int, ctx: dict[str, Any]) -> None:
+    def _hand_off(self, rt: Runtime, epoch: int, ctx: dict[str, Any]) -> None:
         """Warm shutdown: the claim goes back with its checkpoint and the message is
         re-published now, so another worker resumes the work at once.
 
@@ -336,7 +336,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         if message is not None:
             try:
                 with self.app.connection_for_write() as conn:
-                    messages.publish(conn, message, {REPUBLISHED_HEADER: 1}, self.app,
+                    messages.publish(conn, message, {messages.REPUBLISHED_HEADER: 1}, self.app,
                                      retries=retries)
                 sent = True
             except Exception as exc:
@@ -348,7 +348,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         signals.send(signals.work_handed_off, self.app, self.name, epoch=epoch,
                      republished=sent, **ctx)
 
-    def _record_end(self, rt: Resilient, epoch: int, ctx: dict[str, Any], exc: BaseException,
+    def _record_end(self, rt: Runtime, epoch: int, ctx: dict[str, Any], exc: BaseException,
                     state: str) -> None:
         """Record ``failed``/``ignored``; what to do when a newer execution owns the work."""
         try:
@@ -401,15 +401,13 @@ class ResumableTask(Task):  # type: ignore[misc]
                     **options: Any) -> Any:
         """Celery's apply_async; with ``resilient_durable_submit`` the store records the work
         first, and an unreachable store raises here, before anything is published."""
-        from .app import Resilient
-
-        rt = Resilient.enabled_on(self.app)  # a client app may send without the plugin
+        rt = Runtime.enabled_on(self.app)  # a client app may send without the plugin
         headers = options.get("headers") or {}
         resend = task_id is not None and task_id == self.request.id  # a retry of this run
         if (rt is not None and rt.config.durable_submit and not self.app.conf.task_always_eager
-                and not resend and not headers.get(REPUBLISHED_HEADER)):
+                and not resend and not headers.get(messages.REPUBLISHED_HEADER)):
             task_id = task_id or uuid()
-            receipts.record_submission(rt, self, args or (), kwargs or {}, task_id, options)
+            submission.record_submission(rt, self, args or (), kwargs or {}, task_id, options)
         return super().apply_async(args, kwargs, task_id=task_id, **options)
 
     def retry(self, args: Any = None, kwargs: Any = None, *more: Any, **options: Any) -> Any:
@@ -516,13 +514,6 @@ def _headers_of(req: Any) -> dict[str, Any]:
 
 def _header(req: Any, name: str) -> Any:
     return _headers_of(req).get(name)
-
-
-def _digest_or_none(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    try:
-        return codec.digest([list(args), kwargs])
-    except ResilientError:
-        return None
 
 
 def _replacement_key(app: Any, sig: Any, task_id: str) -> str | None:

@@ -191,9 +191,10 @@ class RedisContextCache:
         if self._client is None or self._pid != pid:
             with self._lock:
                 if self._client is None or self._pid != pid:
-                    import redis  # optional extra: imported only with a Redis URL
-                    from redis.backoff import NoBackoff
-                    from redis.retry import Retry
+                    # optional dependency (the redis extra): imported only with a Redis URL
+                    import redis  # noqa: PLC0415
+                    from redis.backoff import NoBackoff  # noqa: PLC0415
+                    from redis.retry import Retry  # noqa: PLC0415
 
                     client = redis.Redis.from_url(
                         self.url, socket_timeout=self.socket_timeout,
@@ -207,7 +208,7 @@ class RedisContextCache:
         return self._client
 
     def _run(self, script: str, key: str, *args: Any) -> Any:
-        import redis  # optional extra
+        import redis  # noqa: PLC0415  (optional dependency: the redis extra)
 
         if not self.available:
             raise CacheUnavailable("backing off after an error", skipped=True)

@@ -18,19 +18,25 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 
-from . import codec
-from .app import Resilient
-from .context_cache import CacheUnavailable, LocalContextCache, RedisContextCache
-from .errors import ConfigurationError, ContextConflict, ContextNotFound, SerializationError
-from .execution import refuse_inside_atomic
-from .store.contexts import ContextRows, Fence
-
-if TYPE_CHECKING:
-    from .task import ResumableTask
+from celery_resilient.core import codec
+from celery_resilient.errors import (
+    ConfigurationError,
+    ContextConflict,
+    ContextNotFound,
+    SerializationError,
+)
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.contexts import ContextRows, Fence
+from celery_resilient.tasks.context_cache import (
+    CacheUnavailable,
+    LocalContextCache,
+    RedisContextCache,
+)
+from celery_resilient.tasks.execution import refuse_inside_atomic
 
 log = logging.getLogger(__name__)
 MAX_KEY = 200  # leaves room in the 255-char column and in Redis key names
@@ -102,7 +108,7 @@ class ContextStore:
 
     def __init__(self, app: Celery, *, namespace: str | None = None,
                  cache_url: str | None = None) -> None:
-        self._rt = Resilient.of(app)
+        self._rt = Runtime.of(app)
         cfg = self._rt.config
         self.stats = ContextStats()
         self._stats_lock = threading.Lock()
@@ -325,7 +331,7 @@ def for_app(app: Celery) -> ContextStore:
     return store
 
 
-def task_context(task: ResumableTask, key: str,
+def task_context(task: Task, key: str,
                  create_default: Mapping[str, Any] | None = None) -> Context:
     """``self.context(key)``: writes through the returned context are fenced by the claim.
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import ConfigurationError
+from celery_resilient.errors import ConfigurationError
 
 PREFIX = "resilient_"
 _TABLE_PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
@@ -229,8 +229,3 @@ def _coerce(key: str, value: Any, check: Callable[[Any], Any] | None) -> Any:
         return check(value)
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(f"{key}={value!r} is invalid: {exc}") from None
-
-
-def sanitize_url(url: str) -> str:
-    """The URL with its password masked, fit for logs and banners."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)  # user may be empty: redis://:pw@

@@ -14,9 +14,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .config import ResilientConfig
-from .errors import ResilientError
-from .store.sql import Store
+from celery_resilient.errors import ResilientError
+from celery_resilient.runtime.config import ResilientConfig
+from celery_resilient.store.sql import Store
 
 #: The ledger key of the ``ledger.atomic()`` block open in this context, if any.
 _open_atomic: ContextVar[str | None] = ContextVar("resilient_open_atomic", default=None)

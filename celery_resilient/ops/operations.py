@@ -23,122 +23,55 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
-from sqlalchemy import select, update
-
-from . import messages
-from .errors import ResilientError
-from .recovery import REPUBLISHED_HEADER
-from .states import DEAD, DONE, ENDED_BY_REQUEST, FAILED, REQUEUED, RUNNING
-from .store.operator_queries import (
+from celery_resilient.core import messages
+from celery_resilient.core.states import DEAD
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.operator_queries import (
     ActionReport,
     OperatorQueries,
     Refusal,
+    Republished,
+    RepublishRefused,
     Selection,
     SelectionError,
     Target,
 )
 
-if TYPE_CHECKING:
-    from .app import Resilient
-
 log = logging.getLogger(__name__)
 
 
-class RepublishRefused(ResilientError):
-    """This work cannot be re-published."""
-
-
-@dataclass(frozen=True)
-class Republished:
-    """What ``republish`` did: the work's key, task id, and state and owner before it."""
-
-    work_key: str
-    task_id: str
-    previous_state: str
-    previous_owner: str | None
-    deaths_reset: bool
-
-
-def refusal(state: str, lease_left: float | None, owner: str | None,
-            error: str | None, has_message: bool) -> str | None:
-    """Why work in this state must not be re-published, or None when it may be.
-
-    ``lease_left`` is seconds until the lease expires by the database's clock (negative when
-    it has expired, None when there is none).
-    """
-    if state == DONE:
-        return ("it is already done: its result is stored, and a re-published copy would only "
-                "return that result")
-    if state == FAILED:
-        return (f"it failed by its own exception ({error or 'no error recorded'}); a copy with "
-                "the same task id is skipped as a duplicate: use retry to run this request "
-                "again, or send a new task")
-    if state in ENDED_BY_REQUEST:
-        return (f"it ended as {state} ({error or 'no reason recorded'}); a copy with the same "
-                "task id is stopped: use retry to run this request again, or send a new task")
-    if state == RUNNING and lease_left is not None and lease_left > 0:
-        return (f"it is running on {owner or 'an unknown worker'} under a live lease "
-                f"({lease_left:.0f}s left); it is not stuck. If that worker is gone, its lease "
-                "runs out and the recovery sweep re-publishes it")
-    if not has_message:
-        return ("no broker message is stored for it (it was never received by a worker nor "
-                "submitted durably), so there is nothing to re-send")
-    return None
-
-
-def republish(rt: Resilient, work_key: str) -> Republished:
+def republish(rt: Runtime, work_key: str) -> Republished:
     """Re-send dead or stuck work now; :class:`RepublishRefused` says why when it cannot.
 
     Dead work gets its death count reset, so the copy runs instead of being parked again;
     its attempts keep counting. A running claim whose lease expired counts one more death,
     as the recovery sweep counts it.
     """
-    store = rt.store
-    w = store.t.work
-    now = store.dialect.now()
-    with store.begin() as conn:
-        row = conn.execute(
-            select(w.c.task_id, w.c.state, w.c.owner_node, w.c.error, w.c.deaths,
-                   w.c.message_json, (w.c.lease_expires_at - now).label("lease_left"))
-            .where(w.c.work_key == work_key)
-            .with_for_update()
-        ).first()
-        if row is None:
-            raise RepublishRefused(f"cannot re-publish {work_key!r}: no such work in the store")
-        why = refusal(row.state, row.lease_left, row.owner_node, row.error,
-                      row.message_json is not None)
-        if why is not None:
-            raise RepublishRefused(f"cannot re-publish {work_key!r}: {why}")
-        dead = row.state == DEAD
-        deaths = 0 if dead else row.deaths + (1 if row.state == RUNNING else 0)
-        conn.execute(update(w).where(w.c.work_key == work_key).values(
-            state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
-            lease_expires_at=now + rt.config.submit_timeout, republished=w.c.republished + 1,
-            deaths=deaths, error=None if dead else w.c.error, finished_at=None,
-            updated_at=now,
-        ))
-    done = Republished(work_key, row.task_id, row.state, row.owner_node, dead)
+    row = OperatorQueries(rt.store).requeue_for_republish(work_key, rt.config.submit_timeout)
+    done = Republished(work_key, row.task_id, row.previous_state, row.owner_node,
+                       row.previous_state == DEAD)
+    assert row.message_json is not None  # republish_refusal() refuses work without one
     extra = {"action": "operator_republished", "work_key": work_key, "task_id": row.task_id,
-             "previous_state": row.state, "previous_owner": row.owner_node}
+             "previous_state": row.previous_state, "previous_owner": row.owner_node}
     try:
         with rt.app.connection_for_write() as broker:
-            messages.publish(broker, row.message_json, {REPUBLISHED_HEADER: 1}, rt.app)
+            messages.publish(broker, row.message_json, {messages.REPUBLISHED_HEADER: 1}, rt.app)
     except Exception as exc:
         log.warning("operator re-publish of %s failed: %s; a worker's sweep will send it "
                     "after resilient_submit_timeout", work_key, exc,
                     extra={**extra, "action": "republish_failed"})
         raise
-    log.info("operator re-published work %s (was %s on %s)", work_key, row.state,
+    log.info("operator re-published work %s (was %s on %s)", work_key, row.previous_state,
              row.owner_node, extra=extra)
     return done
 
 
 # -- cancel, retry, forget ----------------------------------------------------------------------
 
-def cancel(rt: Resilient, selection: Selection, reason: str | None = None,
+def cancel(rt: Runtime, selection: Selection, reason: str | None = None,
            dry_run: bool = False) -> ActionReport:
     """Cancel open work: it never runs again under its task id; a running execution stops
     at its next fenced write (``WorkStopped``, reported as REVOKED to its caller)."""
@@ -153,7 +86,7 @@ def cancel(rt: Resilient, selection: Selection, reason: str | None = None,
     return report
 
 
-def _report_cancelled(rt: Resilient, task_id: str, reason: str | None) -> None:
+def _report_cancelled(rt: Runtime, task_id: str, reason: str | None) -> None:
     """The caller sees REVOKED now: a cancelled request never writes a result of its own
     (its execution, if any, is refused at its next write), and its owner may be gone."""
     why = f"cancelled by operator: {reason}" if reason else "cancelled by operator"
@@ -163,7 +96,7 @@ def _report_cancelled(rt: Resilient, task_id: str, reason: str | None) -> None:
         log.info("result of %s not marked revoked: %s", task_id, exc)
 
 
-def retry(rt: Resilient, selection: Selection, dry_run: bool = False) -> ActionReport:
+def retry(rt: Runtime, selection: Selection, dry_run: bool = False) -> ActionReport:
     """Run ended work (failed, ignored, revoked, expired, cancelled, dead) again with its
     task id: re-queued with its counters reset and its revocation tombstone deleted, then its
     stored message is sent again without its ``expires`` (an operator's retry overrides the
@@ -187,14 +120,14 @@ def retry(rt: Resilient, selection: Selection, dry_run: bool = False) -> ActionR
     return replace(report, unsent=tuple(unsent))
 
 
-def _publish_retried(rt: Resilient, broker: Any, t: Target,
+def _publish_retried(rt: Runtime, broker: Any, t: Target,
                      unsent: list[tuple[str, str]]) -> None:
     extra = {"action": "operator_retried", "work_key": t.work_key, "task_id": t.task_id,
              "previous_state": t.previous_state}
     try:
         if t.message_json is None:  # refused before it got here; checked for the types
             raise ValueError("no stored message")
-        messages.publish(broker, t.message_json, {REPUBLISHED_HEADER: 1}, rt.app)
+        messages.publish(broker, t.message_json, {messages.REPUBLISHED_HEADER: 1}, rt.app)
     except Exception as exc:
         unsent.append((t.work_key, f"{type(exc).__name__}: {exc}"))
         log.warning("operator retry of %s was recorded but its message was not sent: %s; a "
@@ -204,7 +137,7 @@ def _publish_retried(rt: Resilient, broker: Any, t: Target,
     log.info("operator retried work %s (was %s)", t.work_key, t.previous_state, extra=extra)
 
 
-def forget(rt: Resilient, selection: Selection, dry_run: bool = False) -> ActionReport:
+def forget(rt: Runtime, selection: Selection, dry_run: bool = False) -> ActionReport:
     """Delete ended work with its checkpoint and steps; its ledger markers are kept, so an
     effect it applied is still not applied again."""
     report = OperatorQueries(rt.store).forget(selection, dry_run)
@@ -239,5 +172,5 @@ def without_expiry(message_json: str) -> str:
 
 
 __all__ = ["ActionReport", "Refusal", "RepublishRefused", "Republished", "Selection",
-           "SelectionError", "Target", "cancel", "forget", "refusal", "republish", "retry",
+           "SelectionError", "Target", "cancel", "forget", "republish", "retry",
            "without_expiry"]

@@ -7,13 +7,14 @@ kombu's JSON keeps datetimes, dates, UUIDs and Decimals round-trippable; anythin
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from typing import Any
 
 from kombu.utils.json import dumps as _kombu_dumps
 from kombu.utils.json import loads as _kombu_loads
 
-from .errors import SerializationError
+from celery_resilient.errors import ResilientError, SerializationError
 
 _dumps: Callable[[Any], str] = _kombu_dumps
 _loads: Callable[[str], Any] = _kombu_loads
@@ -45,8 +46,15 @@ def decode(text: str | None, what: str = "stored value") -> Any:
 
 def digest(value: Any) -> str:
     """A stable fingerprint of JSON-able arguments (canonical key order)."""
-    import json
-
     canonical = json.dumps(_loads(encode(value, "task arguments")), sort_keys=True,
                            separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def args_digest(args: Any, kwargs: Any) -> str | None:
+    """The fingerprint of a call's arguments, or None when JSON cannot carry them (then a
+    replay with other arguments cannot be told apart, and is not refused)."""
+    try:
+        return digest([list(args or ()), dict(kwargs or {})])
+    except ResilientError:
+        return None

@@ -24,10 +24,12 @@ from typing import Any
 from kombu.connection import Connection
 from kombu.serialization import prepare_accept_content, registry
 
-from . import codec
-from .errors import SerializationError
+from celery_resilient.core import codec
+from celery_resilient.errors import SerializationError
 
 log = logging.getLogger(__name__)
+#: Header on every copy the library re-publishes (sweep, hand-off, operator re-publish).
+REPUBLISHED_HEADER = "resilient_republished"
 KEEP_PROPERTIES = ("correlation_id", "reply_to", "priority")
 #: The fields of a signature moved into ``serialized`` when JSON cannot carry them: the
 #: arguments first; the options too when they hold something JSON cannot (a callback's

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .errors import ResilientError
+from celery_resilient.errors import ResilientError
 
 HEADER = "work_key"
 MAX_LENGTH = 255

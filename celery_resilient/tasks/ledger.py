@@ -9,12 +9,11 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection
 
-from . import codec
-from .errors import LedgerKeyError, StoreUnavailable
-from .execution import Execution, atomic_open, refuse_inside_atomic
-from .store import transient
-from .store.sql import Store
-from .testing import killpoints
+from celery_resilient.core import codec, killpoints
+from celery_resilient.errors import LedgerKeyError, StoreUnavailable
+from celery_resilient.store import transient
+from celery_resilient.store.sql import Store
+from celery_resilient.tasks.execution import Execution, atomic_open, refuse_inside_atomic
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -6,10 +6,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import codec
-from .errors import ResilientError
-from .execution import Execution, refuse_inside_atomic
-from .testing import killpoints
+from celery_resilient.core import codec, killpoints
+from celery_resilient.errors import ResilientError
+from celery_resilient.tasks.execution import Execution, refuse_inside_atomic
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

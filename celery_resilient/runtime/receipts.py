@@ -1,12 +1,7 @@
-"""Main-process hooks that put work into the store before it can be lost.
+"""Deliveries waiting to be recorded, and the ids of requests this worker still holds.
 
-``task_received``: every delivery of a resumable task (running and prefetched alike) is
-recorded as reserved by this worker incarnation, with its message, so that if the worker
-dies the message can be re-published in seconds instead of waiting for the broker.
-
-``ResumableTask.apply_async`` (opt-in ``resilient_durable_submit``): the work and a
-re-publishable message are in the store before the broker sees it, which survives a broker
-that loses its data.
+Both are filled on the consumer's event loop (``celery_resilient.worker.receiving``) and
+drained by the maintainer thread, so the store is never on the path of message consumption.
 """
 
 from __future__ import annotations
@@ -14,14 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any
 
-from . import codec, messages, workkey
-from .errors import ResilientError, SerializationError
-from .store.sql import Receipt
-
-if TYPE_CHECKING:
-    from .app import Resilient
+from celery_resilient.store.sql import Receipt
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 100_000
@@ -139,59 +128,3 @@ class HeldRequests:
             if len(self._counts) > self.MAX_FILTER:
                 return None
             return frozenset(self._counts)
-
-
-def record_received(rt: Resilient, request: Any) -> None:
-    from .task import ResumableTask
-
-    task = request.task
-    if not isinstance(task, ResumableTask):
-        return
-    rt.held.add(request.id)
-    msg = request.message
-    try:
-        key = workkey.derive(task, request.id, request.args, request.kwargs, msg.headers)
-        rt.receipts.add(Receipt(key, request.name, request.id,
-                                _digest(request.args, request.kwargs),
-                                messages.from_kombu(msg)))
-    except ResilientError as exc:
-        log.error("could not record receipt of %s: %s", request.id, exc,
-                  extra={"action": "receipt_failed", "task_id": request.id})
-
-
-# Options of apply_async that are live objects, not part of the message.
-_LOCAL_OPTIONS = ("producer", "connection", "router", "publisher", "add_to_parent")
-
-
-def record_submission(rt: Resilient, task: Any, args: Any, kwargs: Any, task_id: str,
-                      options: dict[str, Any]) -> None:
-    """Durable submit: the work is in the store before the broker sees its message.
-
-    Raises :class:`StoreUnavailable` to the caller of ``apply_async`` when the store is down,
-    before anything is published, so a submission is never silently without its record.
-    The message is kept in the call form: JSON, or arguments JSON cannot carry serialized
-    with the message's own serializer (``serializer=`` of the call, else the task's), so
-    pickle, msgpack and YAML tasks are submitted durably like JSON ones.
-    """
-    kept = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
-    signature = task.signature(args, kwargs, {**kept, "task_id": task_id})
-    message = messages.from_signature(signature)
-    if message is None:
-        serializer = kept.get("serializer") or task.serializer
-        raise SerializationError(
-            f"durable submit of {task.name}: its arguments and options cannot be kept in the "
-            f"store: neither its serializer ({serializer!r}) nor any other the app accepts "
-            "can serialize them; send arguments that serializer can carry, or disable "
-            "resilient_durable_submit"
-        )
-    headers = options.get("headers") or {}
-    key = workkey.derive(task, task_id, args, kwargs, headers)
-    rt.store.record_submission(key, task.name, task_id, _digest(args, kwargs), message,
-                               rt.config.submit_timeout)
-
-
-def _digest(args: Any, kwargs: Any) -> str | None:
-    try:
-        return codec.digest([list(args or ()), dict(kwargs or {})])
-    except ResilientError:
-        return None

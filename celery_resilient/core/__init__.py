@@ -1,0 +1,4 @@
+"""Layer 1, pure logic and codecs: states, work keys, messages, identity, liveness.
+
+Nothing here needs a Celery app's runtime or the store; every layer above may import it.
+"""

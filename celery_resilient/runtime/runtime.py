@@ -1,0 +1,96 @@
+"""The state a Celery app with celery-resilient carries: settings, store and buffers.
+
+Every layer above finds it with :meth:`Runtime.of`; :class:`celery_resilient.Resilient`
+(the top-level installer) is the subclass that also wires the worker, beat and frameworks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from celery_resilient.errors import ConfigurationError
+from celery_resilient.runtime import metrics
+from celery_resilient.runtime.config import ResilientConfig
+from celery_resilient.runtime.outcomes import OutcomeBuffer, RecentlyResent
+from celery_resilient.runtime.receipts import HeldRequests, ReceiptBuffer
+from celery_resilient.store.sql import Store
+
+_ATTR = "_celery_resilient"
+
+
+class Runtime:
+    """Settings (read lazily, once: the app may be configured after this object is made),
+    the store (created and schema-checked on first use, per process), and the buffers the
+    worker's main process fills on its event loop and its maintainer thread drains."""
+
+    def __init__(self, app: Any) -> None:
+        if getattr(app, _ATTR, None) is not None:
+            raise ConfigurationError(f"Resilient() was already applied to app {app.main!r}")
+        self.app = app
+        self._config: ResilientConfig | None = None
+        self._store: Store | None = None
+        self._schema_ready = False
+        self._lock = threading.Lock()
+        self.receipts = ReceiptBuffer()
+        self.held = HeldRequests()
+        self.resent = RecentlyResent()
+        self.outcomes = OutcomeBuffer(self.receipts.arrived)
+        setattr(app, _ATTR, self)
+
+    @classmethod
+    def enabled_on(cls, app: Any) -> Runtime | None:
+        """The runtime of ``app``, or None when ``Resilient(app)`` was never applied."""
+        rt: Runtime | None = getattr(app, _ATTR, None)
+        return rt
+
+    @classmethod
+    def of(cls, app: Any) -> Runtime:
+        rt: Runtime | None = getattr(app, _ATTR, None)
+        if rt is None:
+            raise ConfigurationError(
+                f"celery-resilient is not enabled on app {app.main!r}: call Resilient(app) "
+                "where the app is created"
+            )
+        return rt
+
+    @property
+    def config(self) -> ResilientConfig:
+        if self._config is None:
+            cfg = ResilientConfig.from_mapping(self.app.conf)
+            if cfg.metrics:  # counters follow the signals in this process and its forks
+                metrics.install()
+            self._config = cfg
+        return self._config
+
+    def has_config(self) -> bool:
+        """Whether the settings were read already (they can no longer change)."""
+        return self._config is not None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    cfg = self.config
+                    self._store = Store(cfg.store_url, cfg.table_prefix)
+        if not self._schema_ready:
+            with self._lock:
+                if not self._schema_ready:
+                    self._store.ensure_schema(self.config.migrates_itself)
+                    self._schema_ready = True
+        return self._store
+
+    def dispose_store(self) -> None:
+        """In a forked child: never reuse the parent's pooled connections."""
+        if self._store is not None:
+            self._store.dispose()
+
+    def forget_store(self) -> None:
+        """Close the engine and drop the resolved settings: both are read again at next use
+        (tests that point an app at another store)."""
+        with self._lock:
+            self.dispose_store()
+            self._store = None
+            self._config = None
+            self._schema_ready = False

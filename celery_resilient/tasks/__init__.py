@@ -1,0 +1,2 @@
+"""Layer 4, the task API: ``ResumableTask``, its claim, checkpoints, durable steps, the
+idempotency ledger and continuity contexts."""

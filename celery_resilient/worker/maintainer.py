@@ -1,0 +1,152 @@
+"""``Maintainer``: the worker's background thread for everything but the lease.
+
+It flushes receipts and outcomes, copies revokes, releases claims that run nowhere, and
+sweeps orphans, so a slow or unreachable store or broker never stalls message consumption.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from celery.worker.state import active_requests
+
+from celery_resilient.core import identity
+from celery_resilient.core.identity import Owner
+from celery_resilient.errors import StoreUnavailable
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.worker import recovery
+from celery_resilient.worker.backpressure import ConsumptionGate
+from celery_resilient.worker.lease import LeaseKeeper, backoff
+from celery_resilient.worker.receiving import RevokeWatcher
+
+log = logging.getLogger(__name__)
+REVOKE_POLL_SECONDS = 1.0
+#: A claim taken this recently may not be in Celery's active requests yet.
+EXECUTING_GRACE_SECONDS = 5.0
+
+
+def executing_task_ids() -> frozenset[str] | None:
+    """Task ids Celery's pool is executing in this worker, or None if unreadable now."""
+    try:
+        return frozenset(r.id for r in list(active_requests))
+    except RuntimeError:  # changed while copied: judge nothing this round
+        return None
+
+
+class Maintainer(threading.Thread):
+    """Flushes receipts and outcomes, releases dead claims and sweeps orphans, until stopped."""
+
+    def __init__(self, rt: Runtime, owner: Owner, keeper: LeaseKeeper | None = None,
+                 gate: ConsumptionGate | None = None) -> None:
+        super().__init__(name="celery-resilient-maintainer", daemon=True)
+        self.rt = rt
+        self.owner = owner
+        self.keeper = keeper
+        #: Stops message consumption while the store is unreachable.
+        self.gate = gate
+        self._stop_event = threading.Event()
+        self.rounds = 0
+        self.revokes = RevokeWatcher()
+        #: Set at warm shutdown: no more sweeps (this worker is leaving).
+        self.draining = False
+        #: Monotonic time of the last failed round (None: none yet).
+        self.last_failure: float | None = None
+
+    def flush_receipts(self) -> int:
+        """Write every buffered delivery in one statement.
+
+        A store outage keeps them for the next round. Any other error drops the batch (the
+        broker still holds those messages unacked) rather than retry it forever and starve
+        the rounds behind it.
+        """
+        items = self.rt.receipts.take_all()
+        if items:
+            try:
+                self.rt.store.record_receipts(items, self.owner, self.rt.config.lease_seconds)
+            except StoreUnavailable:
+                self.rt.receipts.put_back(items)
+                raise
+            except Exception:
+                log.exception("dropped %d receipt(s) that cannot be written", len(items),
+                              extra={"action": "receipt_dropped"})
+                return 0
+        return len(items)
+
+    def store_down_at(self) -> float | None:
+        """Monotonic time this worker last failed to reach the store (None: never)."""
+        failures = [t for t in (self.last_failure,
+                                self.keeper.last_failure if self.keeper else None)
+                    if t is not None]
+        return max(failures) if failures else None
+
+    def judge_leases(self) -> bool:
+        """Whether other owners' expired leases mean they are gone.
+
+        Not within one lease after the store was unreachable (from here, or restarted): the
+        other owners could not renew either, and need a full lease to reach it again.
+        """
+        lease = self.rt.config.lease_seconds
+        down_at = self.store_down_at()
+        if down_at is not None and time.monotonic() - down_at < lease:
+            return False
+        up_for = self.rt.store.up_for()
+        return up_for is None or up_for >= lease
+
+    def reconcile(self) -> int:
+        """Release this worker's claims that run nowhere (see ``Store.reconcile``)."""
+        cfg = self.rt.config
+        return self.rt.store.reconcile(
+            self.owner, identity.pid_alive, self.rt.held.snapshot(), executing_task_ids(),
+            EXECUTING_GRACE_SECONDS, self.rt.resent.snapshot(self.store_down_at()),
+            2 * cfg.store_retry_max + cfg.sweep_interval, cfg.lease_seconds)
+
+    def run(self) -> None:
+        cfg = self.rt.config
+        next_sweep = time.monotonic()
+        failures = 0
+        while not self._stop_event.is_set():
+            now = time.monotonic()
+            try:
+                self.flush_receipts()
+                # Ended requests before the sweep: an ended claim is never an orphan.
+                self.rt.outcomes.flush(self.rt.store)
+                self.revokes.flush(self.rt)
+                if now >= next_sweep:
+                    self.reconcile()
+                    if time.monotonic() - now > cfg.lease_seconds / 4:
+                        # This round waited on the store (an SQLite write lock held by a
+                        # long transaction): others' renewals waited too. Grace, as after an
+                        # outage.
+                        self.last_failure = time.monotonic()
+                    if not self.draining:
+                        recovery.sweep(self.rt, self.owner, self.judge_leases())
+                    next_sweep = now + cfg.sweep_interval
+                    self.rounds += 1
+                failures = 0
+                if self.gate is not None:
+                    self.gate.store_up()
+                wait = max(0.0, next_sweep - time.monotonic())
+            except StoreUnavailable as exc:
+                failures += 1
+                self.last_failure = time.monotonic()
+                if self.gate is not None:
+                    self.gate.store_down(str(exc))
+                wait = backoff(self.rt, failures, cfg.sweep_interval)
+                log.warning("maintenance round failed (%s); retrying in %.1fs", exc, wait,
+                            extra={"action": "store_retry"})
+            except Exception:
+                failures += 1
+                self.last_failure = time.monotonic()
+                wait = backoff(self.rt, failures, cfg.sweep_interval)
+                log.exception("maintenance round failed; retrying in %.1fs", wait,
+                              extra={"action": "maintenance_error"})
+            if failures:
+                self._stop_event.wait(wait)
+            else:  # wake early for new receipts and outcomes; look at revokes every second
+                self.rt.receipts.arrived.wait(min(wait, REVOKE_POLL_SECONDS))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.rt.receipts.arrived.set()

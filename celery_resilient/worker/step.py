@@ -1,0 +1,154 @@
+"""Worker bootstep: the incarnation's lease, the maintainer, and the warm-shutdown hand-off.
+
+Two background threads, so a slow or unreachable store or broker never stalls message
+consumption and nothing stands between a lease and its renewal: ``LeaseKeeper``
+(:mod:`celery_resilient.worker.lease`) and ``Maintainer``
+(:mod:`celery_resilient.worker.maintainer`).
+
+A warm shutdown (SIGTERM, SIGINT, ``celery control shutdown``) stops the sweeps, asks every
+running ResumableTask to hand its work off at its next checkpoint (``resilient_shutdown``)
+and keeps the lease alive while Celery drains the pool; the incarnation is marked stopped
+only after the pool is empty (``worker_shutdown``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from celery import bootsteps
+from celery import signals as celery_signals
+
+from celery_resilient.core import handoff, identity, liveness
+from celery_resilient.core.identity import Owner
+from celery_resilient.errors import ResilientError
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.engine import sanitize_url
+from celery_resilient.worker import checks
+from celery_resilient.worker.backpressure import ConsumptionGate
+from celery_resilient.worker.lease import LeaseKeeper
+from celery_resilient.worker.maintainer import Maintainer
+
+log = logging.getLogger(__name__)
+
+
+def startup(rt: Runtime, owner: Owner) -> None:
+    """Worker main process start: validate, check the schema, warn about broker limits."""
+    cfg = rt.config
+    _ = rt.store
+    log.info(
+        "celery-resilient: store=%s lease=%gs heartbeat=%gs sweep=%gs "
+        "max_attempts=%d durable_submit=%s node=%s incarnation=%s",
+        sanitize_url(cfg.store_url), cfg.lease_seconds, cfg.heartbeat_interval,
+        cfg.sweep_interval, cfg.max_attempts, cfg.durable_submit, owner.node,
+        owner.incarnation, extra={"action": "startup"},
+    )
+    for warning in checks.time_limit_warnings(rt.app):
+        log.warning(warning, extra={"action": "config_warning"})
+
+
+def settle_predecessors(rt: Runtime, owner: Owner) -> None:
+    """At start: end earlier incarnations of this node that are provably dead; warn loudly
+    about one that is alive (two workers with one node name), and leave its claims alone."""
+    for other in rt.store.other_incarnations(owner):
+        if liveness.is_dead(other.process):
+            if rt.store.declare_dead(other.incarnation):
+                log.info("earlier start of %s (incarnation %s, pid %d) is gone; its claims "
+                         "are taken back now", owner.node, other.incarnation, other.pid,
+                         extra={"action": "predecessor_dead",
+                                "incarnation": other.incarnation})
+            continue
+        lease_end = other.lease_expires_at or other.heartbeat_at + rt.config.lease_seconds
+        if lease_end <= other.db_now:
+            continue  # its lease has expired: the sweep takes its claims back
+        log.warning(
+            "ANOTHER LIVE WORKER USES THE NODE NAME %s (incarnation %s, pid %d, %s; lease "
+            "renewed %.0fs ago). Its claims are left alone, but give every worker a unique "
+            "name (celery worker -n name@%%h).", owner.node, other.incarnation, other.pid,
+            (other.process or "?").split(liveness.SEP)[0], other.db_now - other.heartbeat_at,
+            extra={"action": "duplicate_node_name", "incarnation": other.incarnation})
+
+
+class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Start the lease keeper and the maintainer once the pool is up; hand off at shutdown."""
+
+    requires = {"celery.worker.components:Pool"}
+    label = "celery-resilient"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        self.maintainer: Maintainer | None = None
+        self.keeper: LeaseKeeper | None = None
+        self.hostname: str | None = None
+        super().__init__(worker, **kwargs)
+
+    def start(self, worker: Any) -> None:
+        rt = Runtime.of(worker.app)
+        owner = Owner(worker.hostname, identity.incarnation(), os.getpid())
+        self.hostname = worker.hostname
+        handoff.reset()
+        startup(rt, owner)
+        rt.receipts.max_bytes = rt.config.receipt_buffer_bytes
+        rt.store.register(owner, liveness.current(), rt.config.lease_seconds)
+        settle_predecessors(rt, owner)
+        self.keeper = LeaseKeeper(rt, owner)
+        self.keeper.start()
+        self.maintainer = Maintainer(rt, owner, self.keeper, ConsumptionGate(worker))
+        self.maintainer.start()
+        celery_signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
+        celery_signals.worker_shutdown.connect(self._on_shutdown, weak=False)
+
+    def _on_shutting_down(self, sender: Any = None, how: str = "Warm", **_: Any) -> None:
+        """Runs in Celery's signal handler: only raise the flag the pool processes read."""
+        if sender == self.hostname and how == "Warm":
+            self._request_hand_off()
+
+    def _request_hand_off(self) -> None:
+        if self.maintainer is not None and self.maintainer.rt.config.shutdown == "hand_off":
+            handoff.request()
+
+    def stop(self, worker: Any) -> None:
+        """Warm shutdown, before the pool drains: hand off, keep the lease, stop sweeping."""
+        if self.maintainer is None:
+            return
+        self._request_hand_off()
+        self.maintainer.draining = True
+        rt, owner = self.maintainer.rt, self.maintainer.owner
+        try:
+            rt.store.mark_draining(owner)
+        except ResilientError as exc:
+            log.warning("could not record the drain: %s", exc)
+        log.info("warm shutdown: %s; lease kept until the pool has drained",
+                 "running resumable work hands off at its next checkpoint"
+                 if rt.config.shutdown == "hand_off" else "running work drains",
+                 extra={"action": "draining"})
+
+    def terminate(self, worker: Any) -> None:
+        """Cold shutdown: the pool is killed next; the claims are orphans at once."""
+        self._finish()
+
+    def _on_shutdown(self, sender: Any = None, **_: Any) -> None:
+        """``worker_shutdown``: the pool has drained."""
+        if sender is not None and getattr(sender, "hostname", self.hostname) == self.hostname:
+            self._finish()
+
+    def _finish(self) -> None:
+        maintainer, keeper = self.maintainer, self.keeper
+        self.maintainer = self.keeper = None
+        celery_signals.worker_shutting_down.disconnect(self._on_shutting_down)
+        celery_signals.worker_shutdown.disconnect(self._on_shutdown)
+        if maintainer is None:
+            return
+        maintainer.stop()
+        maintainer.join(timeout=5)
+        try:
+            maintainer.flush_receipts()
+            maintainer.rt.outcomes.flush(maintainer.rt.store)
+            maintainer.revokes.flush(maintainer.rt)
+            maintainer.rt.store.mark_stopped(maintainer.owner, maintainer.rt.config.submit_timeout)
+        except ResilientError as exc:
+            log.warning("could not hand claims back on shutdown: %s", exc)
+        finally:
+            if keeper is not None:
+                keeper.stop()
+                keeper.join(timeout=5)
