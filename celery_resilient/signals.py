@@ -15,7 +15,8 @@ receiver that raises is logged by Celery and never disturbs the library. Signals
 the process where the action happens: ``work_recovered`` in the worker's main process (or the
 ``celery resilient recover`` command), ``duplicate_skipped``, ``work_fenced``,
 ``work_dead`` and ``work_handed_off`` in the pool process that received the delivery,
-``slot_caught_up`` in beat.
+``slot_caught_up`` in beat, ``rows_pruned`` in the worker's main process (its maintainer
+thread).
 
 With ``resilient_metrics = True`` the Prometheus counters of :mod:`celery_resilient.runtime.metrics`
 are connected to these signals in each process when the app's settings are first read.
@@ -67,13 +68,20 @@ slot_caught_up = Signal(name="slot_caught_up", providing_args={
 work_handed_off = Signal(name="work_handed_off", providing_args={
     "app", "work_key", "task_id", "task", "epoch", "republished"})
 
+#: Automatic retention deleted rows of one table (one batch, one transaction; see
+#: ``docs/operations.md``). Sender: the table's name without its prefix (``work``,
+#: ``checkpoints``, ``steps``, ``ledger``, ``revocations``, ``workers``, ``schedule_runs``,
+#: ``contexts``). kwargs: ``table`` (the same name), ``rows`` (how many were deleted).
+rows_pruned = Signal(name="rows_pruned", providing_args={"app", "table", "rows"})
+
 ALL = (work_recovered, duplicate_skipped, work_fenced, work_dead, slot_caught_up,
-       work_handed_off)
+       work_handed_off, rows_pruned)
+
 
 def send(signal: Signal, app: Celery, sender: str, **kwargs: Any) -> None:
     """Send ``signal`` for ``app`` (the receivers get ``app`` as a keyword argument)."""
     signal.send(sender=sender, app=app, **kwargs)
 
 
-__all__ = ["ALL", "duplicate_skipped", "send", "slot_caught_up", "work_dead", "work_fenced",
-           "work_handed_off", "work_recovered"]
+__all__ = ["ALL", "duplicate_skipped", "rows_pruned", "send", "slot_caught_up", "work_dead",
+           "work_fenced", "work_handed_off", "work_recovered"]

@@ -23,6 +23,8 @@ PREFIX = "resilient_"
 _TABLE_PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 CATCHUP_POLICIES = ("all", "latest", "skip")
 SHUTDOWN_MODES = ("hand_off", "drain")
+#: Retention settings whose default is a duration and that ``None``, set explicitly, disables.
+NONE_DISABLES = ("work_retention", "ledger_retention", "worker_row_retention")
 
 
 def default_store_url(conf: Mapping[str, Any] | None = None) -> str:
@@ -79,6 +81,14 @@ class ResilientConfig:
     context_cache_ttl: float = 86_400.0
     context_cache_size: int = 10_000
     context_retention: float | None = None
+    #: Automatic retention (the worker's maintainer, see docs/operations.md). ``None``
+    #: (set explicitly) keeps those rows for ever.
+    work_retention: float | None = 604_800.0
+    #: The exactly-once horizon: a replay of an effect after its marker is pruned runs again.
+    ledger_retention: float | None = 2_592_000.0
+    worker_row_retention: float | None = 604_800.0
+    prune_interval: float = 60.0
+    prune_batch: int = 500
     metrics: bool = False
 
     @property
@@ -102,6 +112,8 @@ class ResilientConfig:
             key = PREFIX + f.name
             value = conf.get(key)
             if value is None:
+                if f.name in NONE_DISABLES and key in conf:
+                    values[f.name] = None  # set to None: keep those rows for ever
                 continue
             values[f.name] = _coerce(key, value, _CHECKS.get(f.name))
         config = cls(**values)
@@ -144,9 +156,19 @@ class ResilientConfig:
                       "memory:// for an in-process cache")
         if self.context_retention is not None and self.context_retention <= 0:
             raise bad("context_retention", "must be a positive number of seconds or None")
-        for name in ("catchup_grace", "beat_run_retention"):
+        for name in ("catchup_grace", "beat_run_retention", "prune_interval"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be a positive number of seconds")
+        for name in NONE_DISABLES:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise bad(name, "must be a positive number of seconds, or None to keep rows")
+        if self.prune_batch < 1:
+            raise bad("prune_batch", "must be a positive integer")
+        if self.ledger_retention is not None and (
+                self.work_retention is None or self.ledger_retention < self.work_retention):
+            raise bad("ledger_retention",
+                      f"must be at least resilient_work_retention ({self.work_retention}), "
+                      "or None: a ledger marker must outlive the work whose effect it guards")
         if self.metrics and importlib.util.find_spec("prometheus_client") is None:
             raise bad("metrics", "needs prometheus-client: pip install "
                       "'celery-resilient[prometheus]'")
@@ -218,6 +240,11 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "context_cache_ttl": _as_float,
     "context_cache_size": _as_positive_int,
     "context_retention": _as_float,
+    "work_retention": _as_float,
+    "ledger_retention": _as_float,
+    "worker_row_retention": _as_float,
+    "prune_interval": _as_float,
+    "prune_batch": _as_positive_int,
     "metrics": _as_bool,
 }
 

@@ -16,6 +16,7 @@ counter                                    labels       incremented by
 ``resilient_work_dead_total``              ``task``     ``signals.work_dead``
 ``resilient_slots_caught_up_total``        ``entry``    ``signals.slot_caught_up``
 ``resilient_work_handed_off_total``        ``task``     ``signals.work_handed_off``
+``resilient_rows_pruned_total``            ``table``    ``signals.rows_pruned`` (by ``rows``)
 =========================================  ===========  ====================================
 """
 
@@ -56,6 +57,9 @@ class ResilientMetrics:
         self.work_handed_off = Counter(
             "resilient_work_handed_off", "Executions handed to another worker at shutdown",
             ["task"], registry=registry)
+        self.rows_pruned = Counter(
+            "resilient_rows_pruned", "Rows deleted by automatic retention",
+            ["table"], registry=registry)
         self._by_signal: dict[Signal, Counter] = {  # label: the signal's sender
             signals.work_recovered: self.work_recovered,
             signals.duplicate_skipped: self.duplicates_skipped,
@@ -63,13 +67,19 @@ class ResilientMetrics:
             signals.work_dead: self.work_dead,
             signals.slot_caught_up: self.slots_caught_up,
             signals.work_handed_off: self.work_handed_off,
+            signals.rows_pruned: self.rows_pruned,
         }
+        #: Signals that count more than one per send: the keyword argument holding how many.
+        self._amounts: dict[Signal, str] = {signals.rows_pruned: "rows"}
         self._uid = f"celery_resilient.runtime.metrics:{id(self)}"
 
-    def _receive(self, signal: Signal | None = None, sender: Any = None, **_: Any) -> None:
-        counter = self._by_signal.get(signal) if signal is not None else None
-        if counter is not None:
-            counter.labels(str(sender)).inc()
+    def _receive(self, signal: Signal | None = None, sender: Any = None,
+                 **kwargs: Any) -> None:
+        if signal is None or (counter := self._by_signal.get(signal)) is None:
+            return
+        amount = kwargs.get(self._amounts[signal], 1) if signal in self._amounts else 1
+        if amount > 0:
+            counter.labels(str(sender)).inc(amount)
 
     def connect(self) -> ResilientMetrics:
         for signal in self._by_signal:

@@ -2,7 +2,8 @@
 
 Reads never lock and never change a row: ``status``, ``work``, ``schedule`` and every
 ``--dry-run`` are safe on a live system. The only writes here are the retention deletes of
-``prune``, batched so a large backlog never holds one long transaction. The operator's
+``prune`` (those of :mod:`.retention`), batched so a large backlog never holds one long
+transaction. The operator's
 transitions (cancel, retry, forget) are in :mod:`.operator_queries`.
 """
 
@@ -13,14 +14,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, delete, exists, func, or_, select
+from sqlalchemy import Connection, case, func, or_, select
 
-from celery_resilient.core.states import DEAD, OPEN_STATES, TERMINAL_STATES
+from celery_resilient.core.states import DEAD, OPEN_STATES
+from celery_resilient.store.retention import (
+    FINISHED_STATES,
+    PRUNE_BATCH,
+    delete_finished_work,
+    delete_ledger_markers,
+    delete_revocations,
+    finished_before,
+    ledger_before,
+    revocations_before,
+)
 from celery_resilient.store.schedule import CLAIMED
 from celery_resilient.store.sql import Store, WorkInfo, guarded, work_info
-
-FINISHED_STATES = TERMINAL_STATES
-PRUNE_BATCH = 500
 
 
 @dataclass(frozen=True)
@@ -278,95 +286,58 @@ class AdminQueries:
 
     # -- retention ----------------------------------------------------------------------------
 
-    def _finished_before(self, cutoff: float) -> Any:
-        w = self.t.work
-        return and_(w.c.state.in_(FINISHED_STATES),
-                    func.coalesce(w.c.finished_at, w.c.updated_at) < cutoff)
-
-    def _ledger_before(self, cutoff: float) -> Any:
-        """Ledger rows applied before ``cutoff`` whose work (if any) is no longer open."""
-        lg, w = self.t.ledger, self.t.work
-        still_open = exists().where(w.c.work_key == lg.c.work_key, w.c.state.in_(OPEN_STATES))
-        return and_(lg.c.applied_at < cutoff, ~still_open)
-
-    def _revocations_before(self, cutoff: float) -> Any:
-        """Revocation tombstones recorded before ``cutoff`` whose task id has no open work:
-        the open work of a revoked id (running, its owner alive) still needs its tombstone
-        so that a takeover ends it instead of running it again."""
-        rv, w = self.t.revocations, self.t.work
-        still_open = exists().where(w.c.task_id == rv.c.task_id, w.c.state.in_(OPEN_STATES))
-        return and_(rv.c.created_at < cutoff, ~still_open)
-
     @guarded
     def prune_counts(self, older_than: float, ledger: bool = False) -> PruneCounts:
         """How many rows :meth:`prune` would delete now (nothing is changed)."""
-        w, c, s, lg = self.t.work, self.t.checkpoints, self.t.steps, self.t.ledger
-        rv = self.t.revocations
+        t = self.t
+        w, c, s, lg, rv = t.work, t.checkpoints, t.steps, t.ledger, t.revocations
         with self._read() as conn:
             cutoff = float(conn.execute(select(self.store.dialect.now())).scalar_one()) \
                 - older_than
-            keys = select(w.c.work_key).where(self._finished_before(cutoff))
+            keys = select(w.c.work_key).where(finished_before(t, cutoff))
             counts = PruneCounts(
                 work=_count(conn, select(func.count()).select_from(w)
-                            .where(self._finished_before(cutoff))),
+                            .where(finished_before(t, cutoff))),
                 checkpoints=_count(conn, select(func.count()).select_from(c)
                                    .where(c.c.work_key.in_(keys))),
                 steps=_count(conn, select(func.count()).select_from(s)
                              .where(s.c.work_key.in_(keys))),
                 ledger=_count(conn, select(func.count()).select_from(lg)
-                              .where(self._ledger_before(cutoff))) if ledger else 0,
+                              .where(ledger_before(t, cutoff))) if ledger else 0,
                 revocations=_count(conn, select(func.count()).select_from(rv)
-                                   .where(self._revocations_before(cutoff))),
+                                   .where(revocations_before(t, cutoff))),
             )
             conn.rollback()
         return counts
 
-    @guarded
     def prune(self, older_than: float, ledger: bool = False,
               batch: int = PRUNE_BATCH) -> PruneCounts:
         """Delete ended work finished more than ``older_than`` seconds ago with its
         checkpoint and steps, revocation tombstones as old, and, only with ``ledger``,
         ledger markers as old (a deleted marker no longer guards its effect).
 
-        The cutoff is taken once from the database's clock; each batch is one transaction.
+        The cutoff is taken once from the database's clock; each batch is one transaction
+        (:mod:`.retention`, the same deletes the worker's automatic retention runs).
         """
-        w, c, s, lg = self.t.work, self.t.checkpoints, self.t.steps, self.t.ledger
-        rv = self.t.revocations
         cutoff = self.store.now() - older_than
-        lock = self.store.dialect.lock_kwargs()
         n_work = n_cp = n_steps = n_ledger = n_rv = 0
         while True:
-            with self.store.begin() as conn:
-                keys = [str(k) for k in conn.execute(
-                    select(w.c.work_key).where(self._finished_before(cutoff))
-                    .order_by(w.c.work_key).limit(batch).with_for_update(**lock)).scalars()]
-                if not keys:
-                    break
-                n_cp += conn.execute(delete(c).where(c.c.work_key.in_(keys))).rowcount
-                n_steps += conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
-                n_work += conn.execute(delete(w).where(
-                    w.c.work_key.in_(keys), w.c.state.in_(FINISHED_STATES))).rowcount
-            if len(keys) < batch:
+            done = delete_finished_work(self.store, cutoff, batch)
+            n_work, n_cp, n_steps = (n_work + done.work, n_cp + done.checkpoints,
+                                     n_steps + done.steps)
+            if done.work < batch:
                 break
         while ledger:
-            with self.store.begin() as conn:
-                keys = [str(k) for k in conn.execute(
-                    select(lg.c.key).where(self._ledger_before(cutoff))
-                    .order_by(lg.c.key).limit(batch).with_for_update(**lock)).scalars()]
-                if keys:
-                    n_ledger += conn.execute(delete(lg).where(lg.c.key.in_(keys))).rowcount
-            if len(keys) < batch:
+            n = delete_ledger_markers(self.store, cutoff, batch)
+            n_ledger += n
+            if n < batch:
                 break
         while True:
-            with self.store.begin() as conn:
-                keys = [str(k) for k in conn.execute(
-                    select(rv.c.task_id).where(self._revocations_before(cutoff))
-                    .order_by(rv.c.task_id).limit(batch).with_for_update(**lock)).scalars()]
-                if keys:
-                    n_rv += conn.execute(delete(rv).where(rv.c.task_id.in_(keys))).rowcount
-            if len(keys) < batch:
+            n = delete_revocations(self.store, cutoff, batch)
+            n_rv += n
+            if n < batch:
                 break
-        return PruneCounts(int(n_work), int(n_cp), int(n_steps), int(n_ledger), int(n_rv))
+        return PruneCounts(n_work, n_cp, n_steps, n_ledger, n_rv)
 
 
 def _when(cond: Any) -> Any:

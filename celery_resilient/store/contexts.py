@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, case, delete, select, update
 
 from celery_resilient.errors import ContextConflict, ContextNotFound
+from celery_resilient.store.retention import delete_contexts
 from celery_resilient.store.sql import Store, guarded
 
 Fence = tuple[str, int]
@@ -113,25 +114,14 @@ class ContextRows:
                 return False
             raise self._refusal(conn, key, expected_version, "deleted")
 
-    @guarded
     def prune(self, older_than: float, limit: int = 1000) -> list[str]:
         """Delete up to ``limit`` contexts not written for ``older_than`` seconds; their keys.
 
         Batched so a large backlog never holds one long transaction; call until it returns
-        fewer than ``limit`` keys.
+        fewer than ``limit`` keys. The delete is :func:`.retention.delete_contexts`, the one
+        the worker's automatic retention runs.
         """
-        c = self.table
-        with self.store.begin() as conn:
-            keys = [str(k) for k in conn.execute(
-                select(c.c.key)
-                .where(c.c.updated_at < self.store.dialect.now() - older_than)
-                .order_by(c.c.updated_at)
-                .limit(limit)
-                .with_for_update(**self.store.dialect.lock_kwargs())
-            ).scalars()]
-            if keys:
-                conn.execute(delete(c).where(c.c.key.in_(keys)))
-        return keys
+        return delete_contexts(self.store, self.store.now() - older_than, limit)
 
     # -- helpers ----------------------------------------------------------------------------
 

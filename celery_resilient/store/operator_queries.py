@@ -43,6 +43,7 @@ from celery_resilient.core.states import (
     TERMINAL_STATES,
 )
 from celery_resilient.errors import ResilientError
+from celery_resilient.store.retention import delete_ended_workers, workers_gone_before
 from celery_resilient.store.sql import Store, guarded
 
 BATCH = 500
@@ -472,23 +473,6 @@ __all__ = ["CANCELLED_BY_OPERATOR", "CANCEL_SOURCES", "FORGET_SOURCES", "RETRY_S
 
 # -- pruning the workers table ------------------------------------------------------------------
 
-def _workers_gone_before(store: Store, cutoff: float, lease_seconds: float) -> Any:
-    """``workers`` rows of incarnations that ended before ``cutoff`` and own no open work.
-
-    Ended: stopped (a warm shutdown, or declared dead by a successor) before the cutoff, or
-    never stopped but its lease ran out before the cutoff (killed; no successor came). A live
-    worker renews its lease every heartbeat, so its row never matches; nor does one whose
-    incarnation still owns open work, which the sweeper judges by that row.
-    """
-    wk, w = store.t.workers, store.t.work
-    lease_end = func.coalesce(wk.c.lease_expires_at, wk.c.heartbeat_at + lease_seconds)
-    owns_open = select(w.c.work_key).where(w.c.incarnation == wk.c.incarnation,
-                                           w.c.state.in_(OPEN_STATES)).exists()
-    ended = ((wk.c.stopped_at.is_not(None) & (wk.c.stopped_at < cutoff))
-             | (wk.c.stopped_at.is_(None) & (lease_end < cutoff)))
-    return ended & ~owns_open
-
-
 @guarded
 def prune_workers_count(store: Store, older_than: float, lease_seconds: float) -> int:
     """How many ``workers`` rows :func:`prune_workers` would delete now."""
@@ -496,32 +480,23 @@ def prune_workers_count(store: Store, older_than: float, lease_seconds: float) -
     with store.engine.connect() as conn:
         cutoff = float(conn.execute(select(store.dialect.now())).scalar_one()) - older_than
         n = conn.execute(select(func.count()).select_from(wk)
-                         .where(_workers_gone_before(store, cutoff, lease_seconds))).scalar_one()
+                         .where(workers_gone_before(store.t, cutoff, lease_seconds))
+                         ).scalar_one()
         conn.rollback()
     return int(n)
 
 
-@guarded
 def prune_workers(store: Store, older_than: float, lease_seconds: float,
                   batch: int = BATCH) -> int:
     """Delete the ``workers`` rows of incarnations that ended more than ``older_than``
-    seconds ago (see :func:`_workers_gone_before`); never a live one. One worker start adds
-    one row, so without this the table grows by a row per restart. Batched, one short
-    transaction each; the cutoff comes once from the database's clock."""
-    wk = store.t.workers
+    seconds ago (see :func:`.retention.workers_gone_before`); never a live one. One worker
+    start adds one row, so without this the table grows by a row per restart. Batched, one
+    short transaction each (:func:`.retention.delete_ended_workers`); the cutoff comes once
+    from the database's clock."""
     cutoff = store.now() - older_than
-    lock = store.dialect.lock_kwargs()
     deleted = 0
     while True:
-        with store.begin() as conn:
-            ids = [str(i) for i in conn.execute(
-                select(wk.c.incarnation)
-                .where(_workers_gone_before(store, cutoff, lease_seconds))
-                .order_by(wk.c.incarnation).limit(batch).with_for_update(**lock)).scalars()]
-            if ids:
-                deleted += conn.execute(delete(wk).where(
-                    wk.c.incarnation.in_(ids),
-                    _workers_gone_before(store, cutoff, lease_seconds))).rowcount
-        if len(ids) < batch:
-            break
-    return int(deleted)
+        n = delete_ended_workers(store, cutoff, lease_seconds, batch)
+        deleted += n
+        if n < batch:
+            return deleted

@@ -72,6 +72,7 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Index(f"ix_{p}work_state_lease", "state", "lease_expires_at"),
         Index(f"ix_{p}work_incarnation", "incarnation"),
         Index(f"ix_{p}work_task_id", "task_id"),  # revokes and operators find work by task id
+        Index(f"ix_{p}work_finished_at", "finished_at"),  # retention (store/retention.py)
     )
     checkpoints = Table(
         f"{p}checkpoints", md,
@@ -97,6 +98,7 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("epoch", BigInteger, nullable=True),
         Column("result_json", Text, nullable=False),
         Column("applied_at", Float, nullable=False),
+        Index(f"ix_{p}ledger_applied_at", "applied_at"),  # retention
     )
     schedule_runs = Table(
         f"{p}schedule_runs", md,
@@ -109,6 +111,7 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("sent_at", Float, nullable=True),
         PrimaryKeyConstraint("entry", "slot", name=f"pk_{p}schedule_runs"),
         Index(f"ix_{p}schedule_runs_state", "state"),
+        Index(f"ix_{p}schedule_runs_claimed_at", "claimed_at"),  # retention
     )
     schedule_markers = Table(
         f"{p}schedule_markers", md,
@@ -142,6 +145,8 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         # Set when a warm shutdown began: its claims are being handed off or drained.
         Column("draining_at", Float, nullable=True),
         Index(f"ix_{p}workers_node", "node"),
+        Index(f"ix_{p}workers_heartbeat_at", "heartbeat_at"),  # retention
+        Index(f"ix_{p}workers_stopped_at", "stopped_at"),  # retention
     )
     # Task ids revoked by Celery (``app.control.revoke``), copied from the workers' in-memory
     # revoke lists: a copy delivered after a restart, or to a worker that never heard the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -301,6 +301,12 @@ class ContextStore:
             self._redis.end(key, ticket, version, text, mode)
         except CacheUnavailable as exc:
             self._count_unavailable(exc)
+
+    def invalidate(self, keys: Iterable[str]) -> None:
+        """Drop ``keys`` from the fast cache (contexts deleted from the store by retention),
+        so it never serves a context the durable store no longer has."""
+        for key in keys:
+            self._cache_invalidate(key)
 
     def _cache_invalidate(self, key: str) -> None:
         if self._local is not None:

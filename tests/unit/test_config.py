@@ -115,6 +115,13 @@ INVALID: list[tuple[str, Any]] = [
     ("context_cache_url", 123),
     ("context_cache_ttl", 0),
     ("context_cache_size", 0),
+    ("work_retention", 0),
+    ("work_retention", "forever"),
+    ("ledger_retention", -1),
+    ("ledger_retention", 3600),  # shorter than the work retention (7 days)
+    ("worker_row_retention", 0),
+    ("prune_interval", 0),
+    ("prune_batch", 0),
 ]
 
 
@@ -183,3 +190,34 @@ def test_unsupported_store_dialect_names_the_key() -> None:
 
     with pytest.raises(ConfigurationError, match="resilient_store_url uses the 'mysql' dialect"):
         Store("mysql://user@127.0.0.1/db")
+
+
+def test_retention_defaults_and_none_disables() -> None:
+    base = {"resilient_store_url": "sqlite:///x.db"}
+    cfg = ResilientConfig.from_mapping(base)
+    assert (cfg.work_retention, cfg.ledger_retention, cfg.worker_row_retention) == (
+        604_800.0, 2_592_000.0, 604_800.0)
+    assert (cfg.prune_interval, cfg.prune_batch) == (60.0, 500)
+    assert cfg.beat_run_retention == 604_800.0 and cfg.context_retention is None
+    off = ResilientConfig.from_mapping({**base, "resilient_work_retention": None,
+                                        "resilient_ledger_retention": None,
+                                        "resilient_worker_row_retention": None})
+    assert (off.work_retention, off.ledger_retention, off.worker_row_retention) == (
+        None, None, None)
+    app = Celery("cfg-ret", broker="memory://", set_as_current=False)
+    app.conf.update(resilient_store_url="sqlite:///x.db", resilient_worker_row_retention=None)
+    assert ResilientConfig.from_mapping(app.conf).worker_row_retention is None
+
+
+def test_ledger_retention_must_cover_the_work_retention() -> None:
+    base = {"resilient_store_url": "sqlite:///x.db", "resilient_work_retention": 86_400}
+    assert ResilientConfig.from_mapping(
+        {**base, "resilient_ledger_retention": 86_400}).ledger_retention == 86_400.0
+    with pytest.raises(ConfigurationError, match=r"resilient_ledger_retention=.*outlive"):
+        ResilientConfig.from_mapping({**base, "resilient_ledger_retention": 3600})
+    with pytest.raises(ConfigurationError, match="resilient_ledger_retention"):
+        # work kept for ever: a marker must be too
+        ResilientConfig.from_mapping({**base, "resilient_work_retention": None})
+    cfg = ResilientConfig.from_mapping({**base, "resilient_work_retention": None,
+                                        "resilient_ledger_retention": None})
+    assert cfg.work_retention is None and cfg.ledger_retention is None

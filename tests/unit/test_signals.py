@@ -20,6 +20,7 @@ DOCUMENTED = {
     "work_dead": {"work_key", "task_id", "task", "reason"},
     "slot_caught_up": {"entry", "slot", "task_id", "late_seconds"},
     "work_handed_off": {"work_key", "task_id", "task", "epoch", "republished"},
+    "rows_pruned": {"table", "rows"},
 }
 COUNTERS = {
     "work_recovered": "resilient_work_recovered_total",
@@ -28,7 +29,9 @@ COUNTERS = {
     "work_dead": "resilient_work_dead_total",
     "slot_caught_up": "resilient_slots_caught_up_total",
     "work_handed_off": "resilient_work_handed_off_total",
+    "rows_pruned": "resilient_rows_pruned_total",
 }
+LABELS = {"slot_caught_up": "entry", "rows_pruned": "table"}
 
 
 def app_with(**conf: Any) -> Celery:
@@ -92,7 +95,7 @@ def test_metrics_count_each_signal_by_task_or_entry() -> None:
             for _ in range(2):
                 signals.send(sig, app, f"sender-{name}")
         for name, counter in COUNTERS.items():
-            label = "entry" if name == "slot_caught_up" else "task"
+            label = LABELS.get(name, "task")
             assert registry.get_sample_value(counter, {label: f"sender-{name}"}) == 2, name
     finally:
         metrics.disconnect()
@@ -119,3 +122,17 @@ def test_metrics_setting_is_validated() -> None:
     assert ResilientConfig.from_mapping(base).metrics is False
     with pytest.raises(ConfigurationError, match="resilient_metrics"):
         ResilientConfig.from_mapping({**base, "resilient_metrics": "sometimes"})
+
+
+def test_rows_pruned_counts_rows_by_table() -> None:
+    registry = CollectorRegistry()
+    metrics = ResilientMetrics(registry).connect()
+    app = app_with()
+    try:
+        signals.send(signals.rows_pruned, app, "work", table="work", rows=500)
+        signals.send(signals.rows_pruned, app, "work", table="work", rows=12)
+        signals.send(signals.rows_pruned, app, "steps", table="steps", rows=3)
+    finally:
+        metrics.disconnect()
+    assert registry.get_sample_value("resilient_rows_pruned_total", {"table": "work"}) == 512
+    assert registry.get_sample_value("resilient_rows_pruned_total", {"table": "steps"}) == 3
