@@ -725,3 +725,22 @@ def test_record_receipts_batch_keeps_running_claims_and_fills_messages(store: St
     kept = store.get_work("running-elsewhere")
     assert kept is not None and kept.state == "running" and kept.owner_node == "a@host"
     assert store.get_message("running-elsewhere") == '{"m": "raw"}'
+
+
+def test_postgresql_connections_never_prepare_statements(pg_url: str, table_prefix: str) -> None:
+    """No server-side prepared statement on the store's connections: every plan is a custom
+    plan (a generic one scans the whole work table for the rare open states), and PgBouncer
+    in transaction mode works. psycopg would prepare a statement on its fifth run."""
+    store = Store(pg_url, table_prefix)
+    store.migrate()
+    try:
+        who = owner("prep@host")
+        for i in range(8):  # the same hot statements, more than five times each
+            claim = run(store, f"prep-{i}", who)
+            store.finish(f"prep-{i}", claim.epoch, "null")
+        with store.engine.connect() as conn:
+            prepared = conn.execute(text("SELECT count(*) FROM pg_prepared_statements")).scalar()
+            conn.rollback()
+        assert prepared == 0
+    finally:
+        store.dispose()
