@@ -99,11 +99,23 @@ class ResilientConfig:
         return self.store_url.startswith("sqlite")
 
     @classmethod
-    def from_mapping(cls, conf: Mapping[str, Any]) -> ResilientConfig:
+    def from_mapping(cls, conf: Mapping[str, Any], namespace: str | None = None) -> ResilientConfig:
+        """``namespace``: the app's Celery settings namespace (``config_from_object(...,
+        namespace="CELERY")``), whose keys (``CELERY_RESILIENT_LEASE_SECONDS``) are checked
+        too, so a misspelt one is refused as in ``app.conf``."""
         values: dict[str, Any] = {}
         known = {f.name for f in fields(cls)}
+        written = f"{namespace}_{PREFIX}".upper() if namespace else None
         for key in conf:
-            if isinstance(key, str) and key.startswith(PREFIX) and key[len(PREFIX):] not in known:
+            if not isinstance(key, str):
+                continue
+            if key.startswith(PREFIX):
+                name = key[len(PREFIX):]
+            elif written is not None and key.startswith(written):
+                name = key[len(written):].lower()
+            else:
+                continue
+            if name not in known:
                 raise ConfigurationError(
                     f"Unknown setting {key!r}; known settings: "
                     + ", ".join(sorted(PREFIX + k for k in known))

@@ -10,7 +10,6 @@ import threading
 from typing import Any
 
 from celery_resilient.errors import ConfigurationError
-from celery_resilient.runtime import metrics
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.runtime.outcomes import OutcomeBuffer, RecentlyResent
 from celery_resilient.runtime.receipts import HeldRequests, ReceiptBuffer
@@ -57,8 +56,11 @@ class Runtime:
     @property
     def config(self) -> ResilientConfig:
         if self._config is None:
-            cfg = ResilientConfig.from_mapping(self.app.conf)
+            cfg = ResilientConfig.from_mapping(self.app.conf, getattr(self.app, "namespace", None))
             if cfg.metrics:  # counters follow the signals in this process and its forks
+                # optional dependency: prometheus-client (the prometheus extra)
+                from celery_resilient.runtime import metrics  # noqa: PLC0415
+
                 metrics.install()
             self._config = cfg
         return self._config

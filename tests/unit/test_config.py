@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from celery_resilient import Resilient
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.runtime.config import PREFIX, ResilientConfig
 from celery_resilient.store.engine import sanitize_url
@@ -221,3 +222,22 @@ def test_ledger_retention_must_cover_the_work_retention() -> None:
     cfg = ResilientConfig.from_mapping({**base, "resilient_work_retention": None,
                                         "resilient_ledger_retention": None})
     assert cfg.work_retention is None and cfg.ledger_retention is None
+
+
+def test_a_misspelt_key_under_a_celery_namespace_is_refused() -> None:
+    """``config_from_object(settings, namespace="CELERY")`` (Django's layout): Celery lists
+    such keys as written (``CELERY_RESILIENT_...``); a misspelt one must not be ignored."""
+    class Settings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_RESILIENT_STORE_URL = "sqlite:///unused.sqlite3"
+        CELERY_RESILIENT_LEASE_SECOND = 10  # lease_seconds, misspelt
+
+    app = Celery("ns-typo", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match="CELERY_RESILIENT_LEASE_SECOND"):
+        _ = Resilient(app).config
+    Settings.CELERY_RESILIENT_LEASE_SECONDS = 12  # type: ignore[attr-defined]
+    del Settings.CELERY_RESILIENT_LEASE_SECOND
+    app = Celery("ns-ok", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    assert Resilient(app).config.lease_seconds == 12

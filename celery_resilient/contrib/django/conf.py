@@ -70,11 +70,15 @@ def database_url(alias: str = "default",
         query = {k: str(options[k]) for k in _LIBPQ_OPTIONS
                  if isinstance(options.get(k), (str, int)) and not isinstance(options[k], bool)}
         port = db.get("PORT")
+        host = str(db.get("HOST") or "") or None
+        if host is not None and host.startswith("/"):  # a Unix socket directory (libpq's host)
+            query["host"] = host
+            host = None
         url = URL.create(
             "postgresql+psycopg",
             username=db.get("USER") or None,
             password=db.get("PASSWORD") or None,
-            host=db.get("HOST") or None,
+            host=host,
             port=int(port) if port not in (None, "") else None,
             database=str(name) if name else None,
             query=query,

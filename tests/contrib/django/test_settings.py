@@ -14,12 +14,14 @@ from celery import Celery
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from celery_resilient import ConfigurationError, Resilient
 from celery_resilient.contrib.django import celery_app, configure_from_django, database_url
 from celery_resilient.contrib.django.apps import check_settings
 from celery_resilient.contrib.django.conf import resilient_apps
+from celery_resilient.store.sql import Store
 
 PASSWORD = "s3cret-not-for-logs"
 
@@ -132,12 +134,30 @@ def test_celery_app_setting_must_name_a_celery_app(db: Any, settings: Any) -> No
       "PORT": ""}, "postgresql+psycopg:///shop"),
     ({"ENGINE": "django.db.backends.sqlite3", "NAME": "/srv/app/db.sqlite3"},
      "sqlite:////srv/app/db.sqlite3"),
+    ({"ENGINE": "django.db.backends.postgresql", "NAME": "shop", "USER": "app",
+      "HOST": "/var/run/postgresql", "PORT": "5432"},
+     "postgresql+psycopg://app@:5432/shop?host=%2Fvar%2Frun%2Fpostgresql"),
 ])
 def test_database_url_conversion(db_settings: dict[str, Any], expected: str) -> None:
     url = database_url("default", {"default": db_settings})
     assert url == expected
     if "PASSWORD" in db_settings:
         assert make_url(url).password == db_settings["PASSWORD"]  # escaped, not mangled
+
+
+def test_a_unix_socket_host_reaches_the_server_as_django_does() -> None:
+    """Django's documented socket form (``HOST`` = the socket directory) must not become
+    part of the database name."""
+    url = database_url("default", {"default": {
+        "ENGINE": "django.db.backends.postgresql", "NAME": "test", "USER": "postgres",
+        "HOST": "/var/run/postgresql", "PORT": "5432"}})
+    store = Store(url, "unused_")
+    try:
+        with store.engine.connect() as conn:
+            assert conn.execute(text("SELECT current_database()")).scalar() == "test"
+            assert conn.execute(text("SELECT inet_server_addr()")).scalar() is None  # socket
+    finally:
+        store.dispose()
 
 
 def test_database_url_makes_relative_sqlite_paths_absolute(

@@ -15,6 +15,9 @@ from celery_resilient.ops.reports import migrate_report, migrate_text
 
 
 class Command(BaseCommand):  # type: ignore[misc]
+    # A bad CELERY_RESILIENT_* setting is this command's error, reported in its own form
+    # (JSON with --json) and exit code, not as a system check failure before it runs.
+    requires_system_checks: list[str] = []
     help = "Create or upgrade the celery-resilient store's schema to the current revision."
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -16,6 +16,9 @@ MIGRATE_COMMAND = "python manage.py resilient_migrate"
 
 
 class Command(BaseCommand):  # type: ignore[misc]
+    # A bad CELERY_RESILIENT_* setting is this command's error, reported in its own form
+    # (JSON with --json) and exit code, not as a system check failure before it runs.
+    requires_system_checks: list[str] = []
     help = ("Show celery-resilient work by state, open claims with their leases, dead work, "
             "beat slots, contexts and workers; exits 1 when the schema is missing or old.")
 
