@@ -7,6 +7,7 @@ Every layer above finds it with :meth:`Runtime.of`; :class:`celery_resilient.Res
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery_resilient.errors import ConfigurationError
@@ -16,6 +17,11 @@ from celery_resilient.runtime.receipts import HeldRequests, ReceiptBuffer
 from celery_resilient.store.sql import Store
 
 _ATTR = "_celery_resilient"
+
+#: Functions that may redirect a runtime's store URL just before its store is opened, each
+#: given the runtime and the URL and returning the URL to use: a framework's test support
+#: (Django's test databases) keeps tests off a real database this way.
+STORE_URL_FILTERS: list[Callable[[Runtime, str], str]] = []
 
 
 class Runtime:
@@ -75,7 +81,10 @@ class Runtime:
             with self._lock:
                 if self._store is None:
                     cfg = self.config
-                    self._store = Store(cfg.store_url, cfg.table_prefix)
+                    url = cfg.store_url
+                    for redirect in STORE_URL_FILTERS:
+                        url = redirect(self, url)
+                    self._store = Store(url, cfg.table_prefix)
         if not self._schema_ready:
             with self._lock:
                 if not self._schema_ready:

@@ -42,7 +42,7 @@ from django.db.backends.signals import connection_created
 from celery_resilient.contrib.django.conf import _CONFIGURED, database_url, table_prefix
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.runtime.config import PREFIX
-from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.runtime.runtime import STORE_URL_FILTERS, Runtime
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import Store
 from celery_resilient.testing.stores import empty_store as _empty
@@ -56,6 +56,7 @@ _test: dict[str, str] = {}  # alias -> store URL in the test database, once prep
 _tmp: dict[str, str] = {}  # alias -> temporary SQLite URL for an in-memory test database
 _prepared: set[tuple[str, str]] = set()  # (store URL, table prefix) migrated and emptied
 _DEFAULTED = "_celery_resilient_test_default"
+_NO_TEST_DATABASE = "(no test database)"
 
 
 def follow_test_databases() -> None:
@@ -68,6 +69,33 @@ def follow_test_databases() -> None:
                 _real[alias] = ""  # nothing real to protect; its test database is followed
     connection_created.connect(_on_connection_created, weak=False,
                                dispatch_uid="celery_resilient.testdb")
+    if _keep_off_real_databases not in STORE_URL_FILTERS:
+        STORE_URL_FILTERS.append(_keep_off_real_databases)
+
+
+def _keep_off_real_databases(rt: Runtime, url: str) -> str:
+    """In a test environment a store is never opened on a real database: on the test
+    database that replaced it, or, before any is connected (a ``SimpleTestCase``, a
+    pytest-django test without ``db``), on a temporary SQLite store for the run."""
+    if not url or not in_test_environment():
+        return url
+    aliases = [alias for alias, real in _real.items() if real == url]
+    if not aliases:
+        return url
+    if aliases[0] in _test:
+        target = _test[aliases[0]]
+        _prepare(target, rt.config.table_prefix)
+        return target
+    if _NO_TEST_DATABASE not in _tmp:
+        folder = tempfile.mkdtemp(prefix="celery-resilient-test-")
+        atexit.register(shutil.rmtree, folder, True)
+        _tmp[_NO_TEST_DATABASE] = f"sqlite:///{os.path.join(folder, 'store.sqlite3')}"
+        log.info("celery-resilient: a test uses the store before any test database is "
+                 "connected; it gets a temporary SQLite store instead of the real database",
+                 extra={"action": "config_test_database"})
+    target = _tmp[_NO_TEST_DATABASE]
+    _prepare(target, rt.config.table_prefix)
+    return target
 
 
 def in_test_environment() -> bool:
@@ -109,7 +137,8 @@ def _on_connection_created(sender: Any = None, connection: Any = None, **_: Any)
     target = test_store_url(alias)
     if target == _real[alias]:
         return  # not (or no longer) a test database: never repoint the real one
-    if _test.get(alias) != target:
+    previous = _test.get(alias)  # a parallel test process inherits its parent's database
+    if previous != target:
         _test[alias] = target
         log.info("celery-resilient: the store follows Django's test database %r: %s", alias,
                  sanitize_url(target), extra={"action": "config_test_database"})
@@ -119,7 +148,10 @@ def _on_connection_created(sender: Any = None, connection: Any = None, **_: Any)
             if getattr(app, _DEFAULTED, None) != target:
                 setattr(app, _DEFAULTED, target)
                 app.add_defaults({_URL_KEY: target})  # explicit settings still win
-        elif app.conf.get(_URL_KEY) == _real[alias]:
+        elif app.conf.get(_URL_KEY) != target and app.conf.get(_URL_KEY) in (
+                _real[alias], previous):
+            # the real database, or the parent's test database in a parallel test process
+            # (``manage.py test --parallel``: each process has a clone of its own)
             use_store(app, target, migrate=False)
             _prepare(target, app_table_prefix(app))
 

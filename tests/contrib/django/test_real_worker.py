@@ -159,3 +159,22 @@ def test_worker_manage_py_and_celery_cli_share_django_database(
 
     # Nothing fell back to the SQLite file in the working directory.
     assert list(cwd.iterdir()) == []
+
+
+def test_manage_py_test_parallel_gives_each_process_its_clone(tmp_path: Path,
+                                                             request: pytest.FixtureRequest
+                                                             ) -> None:
+    """``manage.py test --parallel 2``: every test process's store is its own clone of the
+    test database (not the parent's, shared by all), emptied per test by the mixin."""
+    tag = uuid.uuid4().hex[:8]
+    env = {
+        "DJANGO_SETTINGS_MODULE": f"{PROJECT}.settings",
+        "DJPROJ_DB_NAME": f"djpar_{tag}",  # never created: a write to it would fail loudly
+        "DJPROJ_TABLE_PREFIX": f"djp{tag}_",
+        "PYTHONPATH": os.pathsep.join([str(request.config.rootpath),
+                                       os.environ.get("PYTHONPATH", "")]),
+    }
+    done = _manage("test", "--parallel", "2", "--noinput", f"{PROJECT}.partests", env=env,
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Ran 4 tests" in done.stderr and "OK" in done.stderr, done.stderr[-3000:]

@@ -7,12 +7,19 @@ body (nothing stored by the other), and the real database receives nothing.
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
 from django.db import connection
 from django.test import TestCase
 from sqlalchemy import inspect, select
 
-from celery_resilient import Resilient
-from celery_resilient.contrib.django.testdb import StoreIsolationMixin
+from celery_resilient import Resilient, ResumableTask
+from celery_resilient.contrib.django import configure_from_django
+from celery_resilient.contrib.django.testdb import StoreIsolationMixin, empty_store
 from celery_resilient.store.sql import Store
 
 from . import eagerapp
@@ -53,3 +60,56 @@ def assert_not_in_real_database(task_id: str) -> None:
             assert rows == []
     finally:
         real.dispose()
+
+
+# -- pytest-django: a test without the database, and per-test isolation -----------------------
+
+def _fresh_eager_app() -> tuple[Celery, Any]:
+    """A project app configured from Django's settings now (store URL: the real database)."""
+    app = Celery(f"djproj-fresh-{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.config_from_object("django.conf:settings", namespace="CELERY")
+    Resilient(app)
+    configure_from_django(app)
+    app.conf.update(task_always_eager=True, task_store_eager_result=False)
+    ran: list[str] = []
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="djproj.fresh")
+    def fresh(self: ResumableTask, n: int) -> int:
+        ran.append(self.request.id)
+        self.checkpoint.save({"n": n})
+        return n
+
+    fresh.ran = ran  # type: ignore[attr-defined]
+    return app, fresh
+
+
+def test_a_test_without_the_database_never_writes_the_real_one() -> None:
+    """No ``db`` fixture: Django never connects to a test database for this test, and the
+    store must not use the real one it was configured with."""
+    app, fresh = _fresh_eager_app()
+    app.conf.resilient_store_url = eagerapp.REAL_STORE_URL  # as loaded before any test DB
+    try:
+        task_id = f"no-db-{uuid.uuid4().hex[:8]}"
+        assert fresh.apply_async((3,), task_id=task_id).get() == 3
+        assert fresh.ran == [task_id]
+        assert Resilient.of(app).store.url != eagerapp.REAL_STORE_URL
+        assert_not_in_real_database(task_id)
+    finally:
+        Resilient.of(app).forget_store()
+        app.close()
+
+
+@pytest.fixture
+def isolated_store(db: Any) -> Iterator[None]:
+    """docs/testing.md's pytest-django recipe: empty the store after each test."""
+    yield
+    empty_store()
+
+
+@pytest.mark.parametrize("run", [1, 2])
+def test_pytest_django_tests_with_one_task_id_each_run_the_body(isolated_store: None,
+                                                                run: int) -> None:
+    before = eagerapp.calls.count(TASK_ID)
+    assert eagerapp.import_rows.apply_async((run,), task_id=TASK_ID).get() == run
+    assert eagerapp.calls.count(TASK_ID) == before + 1
+    assert_not_in_real_database(TASK_ID)
