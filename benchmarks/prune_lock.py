@@ -89,7 +89,8 @@ def explain(rt: Resilient) -> list[tuple[str, str]]:
             captured.append((statement, parameters))
 
     cutoff = store.now() - 7 * DAY
-    event.listen(store.engine, "before_cursor_execute", capture)
+    for engine in store.engines:
+        event.listen(engine, "before_cursor_execute", capture)
     try:
         for fn in (retention.delete_finished_work, retention.delete_ledger_markers,
                    retention.delete_revocations, retention.delete_beat_runs,
@@ -97,7 +98,8 @@ def explain(rt: Resilient) -> list[tuple[str, str]]:
             _dry(store, fn, cutoff)  # the statements are captured, the deletes rolled back
         _dry_workers(store, cutoff, rt.config.lease_seconds)
     finally:
-        event.remove(store.engine, "before_cursor_execute", capture)
+        for engine in store.engines:
+            event.remove(engine, "before_cursor_execute", capture)
     plans = []
     with store.engine.connect() as conn:
         for statement, parameters in captured:

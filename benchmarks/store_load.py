@@ -393,17 +393,19 @@ def tables(levels: list[dict[str, Any]]) -> str:
 # -- session-state check --------------------------------------------------------------------
 
 @contextlib.contextmanager
-def capture(engine: sqlalchemy.Engine) -> Iterator[list[str]]:
+def capture(*engines: sqlalchemy.Engine) -> Iterator[list[str]]:
     statements: list[str] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         statements.append(statement)
 
-    event.listen(engine, "before_cursor_execute", record)
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", record)
     try:
         yield statements
     finally:
-        event.remove(engine, "before_cursor_execute", record)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", record)
 
 
 def hot_path_rate(store: Store, seconds: float) -> tuple[float, float]:
@@ -437,8 +439,9 @@ def session_check(url: str, prefix: str, seconds: float) -> str:
             if PROBE not in statement:
                 seen[name] = seen.get(name, 0) + 1
 
-    event.listen(store.engine, "after_cursor_execute", prepared_now)
-    with capture(store.engine) as statements:
+    for engine in store.engines:
+        event.listen(engine, "after_cursor_execute", prepared_now)
+    with capture(*store.engines) as statements:
         store.register(owner, "bench", CONFIG.lease_seconds)
         sim = SimWorker(store, owner, f"c-{uuid.uuid4().hex[:6]}", 4, True, True, 0.0, 0.0)
         sim.maintain(time.monotonic() + 1)
@@ -451,7 +454,8 @@ def session_check(url: str, prefix: str, seconds: float) -> str:
                 "ORDER BY name").all()
             conn.commit()  # not rollback(): psycopg forgets its prepared statements then
         sim.maintain(time.monotonic() + 1)  # the sweep's reads roll back
-    event.remove(store.engine, "after_cursor_execute", prepared_now)
+    for engine in store.engines:
+        event.remove(engine, "after_cursor_execute", prepared_now)
     distinct = sorted(set(statements))
     found = {what: sorted({s.split("\n")[0][:90] for s in distinct if rx.search(s)})
              for what, rx in SESSION_STATE.items()}
@@ -484,19 +488,24 @@ def session_check(url: str, prefix: str, seconds: float) -> str:
     # The same hot path three ways, one process each.
     rows = []
     pooled = Store(url, prefix)
-    rows.append(["Store's own engine (QueuePool, psycopg prepares after 5 uses)",
+    rows.append(["Store's own engines (pooled, no server-side prepared statements)",
                  *hot_path_rate(pooled, seconds)])
     pooled.dispose()
     fresh = Store(url, prefix)
     fresh._engine = _FixedEngine(create_engine(url, poolclass=NullPool))  # type: ignore[assignment]
+    fresh._autocommit = _FixedEngine(create_engine(  # type: ignore[assignment]
+        url, poolclass=NullPool, isolation_level="AUTOCOMMIT"))
     rows.append(["fresh connection per transaction (NullPool)", *hot_path_rate(fresh, seconds)])
     fresh.dispose()
-    unprepared = Store(url, prefix)
-    unprepared._engine = _FixedEngine(create_engine(  # type: ignore[assignment]
-        url, pool_size=5, max_overflow=5, connect_args={"prepare_threshold": None}))
-    rows.append(["pooled, prepared statements off (prepare_threshold=None)",
-                 *hot_path_rate(unprepared, seconds)])
-    unprepared.dispose()
+    prepared_on = Store(url, prefix)
+    prepared_on._engine = _FixedEngine(create_engine(  # type: ignore[assignment]
+        url, pool_size=5, max_overflow=5, connect_args={"prepare_threshold": 5}))
+    prepared_on._autocommit = _FixedEngine(create_engine(  # type: ignore[assignment]
+        url, pool_size=2, max_overflow=3, isolation_level="AUTOCOMMIT",
+        pool_reset_on_return=None, connect_args={"prepare_threshold": 5}))
+    rows.append(["pooled, psycopg prepares after 5 uses (its default)",
+                 *hot_path_rate(prepared_on, seconds)])
+    prepared_on.dispose()
     lines.append("\nThe hot path (one process, with heartbeats and sweeps) on three engines; "
                  "every unit checked: take ran, 3 saves fenced, finish recorded:\n")
     lines.append(markdown_table(["engine", "units/s", "unit p50 ms"],

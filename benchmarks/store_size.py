@@ -214,7 +214,7 @@ class Bench:
 # -- EXPLAIN ----------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def capture(engine: sqlalchemy.Engine) -> Iterator[list[tuple[str, Any]]]:
+def capture(*engines: sqlalchemy.Engine) -> Iterator[list[tuple[str, Any]]]:
     statements: list[tuple[str, Any]] = []
 
     def record(_c: Any, _cur: Any, statement: str, parameters: Any, _ctx: Any,
@@ -222,11 +222,13 @@ def capture(engine: sqlalchemy.Engine) -> Iterator[list[tuple[str, Any]]]:
         if not executemany:
             statements.append((statement, parameters))
 
-    event.listen(engine, "before_cursor_execute", record)
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", record)
     try:
         yield statements
     finally:
-        event.remove(engine, "before_cursor_execute", record)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", record)
 
 
 def substituted(params: Any, old: str | None, new: str | None) -> Any:
@@ -238,7 +240,7 @@ def substituted(params: Any, old: str | None, new: str | None) -> Any:
 def explain_op(store: Store, run: Callable[[], Any], old_key: str | None = None,
                new_key: str | None = None) -> list[tuple[str, list[str]]]:
     """Run ``run`` capturing its SQL, then EXPLAIN ANALYZE each statement (rolled back)."""
-    with capture(store.engine) as statements:
+    with capture(*store.engines) as statements:
         run()
     plans = []
     seen: set[str] = set()

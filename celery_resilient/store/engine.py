@@ -58,10 +58,17 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
-def build_engine(url: str) -> Engine:
+def build_engine(url: str, autocommit: bool = False) -> Engine:
+    """``autocommit``: a PostgreSQL engine whose connections stay in autocommit for good, for
+    statements that are each their own transaction (take, finish): no isolation level set
+    and reset around every statement, no rollback on return to the pool."""
     try:
         if make_url(url).get_backend_name() == "sqlite":
             return _sqlite_engine(url)
+        if autocommit:
+            return create_engine(url, pool_size=2, max_overflow=3,
+                                 isolation_level="AUTOCOMMIT", pool_reset_on_return=None,
+                                 connect_args=_connect_args(url))
         # No pre-ping: a stale pooled connection is detected on use and retried once
         # (``guarded``).
         return create_engine(url, pool_size=5, max_overflow=5,
@@ -98,8 +105,9 @@ def _release(engine: Engine, owner_pid: int) -> None:
 class EngineHolder:
     """Lazily built, fork-aware engine for one URL."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, autocommit: bool = False) -> None:
         self.url = url
+        self.autocommit = autocommit
         self._engine: Engine | None = None
         self._pid = 0
         self._lock = threading.Lock()
@@ -111,7 +119,7 @@ class EngineHolder:
                 if self._engine is None or self._pid != pid:
                     if self._engine is not None:
                         self._engine.dispose(close=False)  # inherited: leave parent's sockets
-                    self._engine = build_engine(self.url)
+                    self._engine = build_engine(self.url, self.autocommit)
                     self._pid = pid
                     # A holder dropped without dispose() (a store that went out of scope)
                     # still closes its connections, instead of leaving them to the GC.

@@ -221,7 +221,9 @@ class _Hot:
             # arguments, under the death cap, its task id not revoked. Anything else takes
             # the careful path.
             update(w)
-            .where(w.c.work_key == bindparam("k"), w.c.state.in_((RESERVED, REQUEUED)),
+            # or_, not in_: an IN list is rendered again on every call
+            .where(w.c.work_key == bindparam("k"),
+                   or_(w.c.state == RESERVED, w.c.state == REQUEUED),
                    w.c.deaths < bindparam("max_attempts", type_=Integer),
                    or_(w.c.args_digest.is_(None), bindparam("digest", type_=String).is_(None),
                        w.c.args_digest == bindparam("digest", type_=String)),
@@ -320,6 +322,7 @@ class Store:
         self.url = url
         self.prefix = table_prefix
         self._engine = EngineHolder(url)
+        self._autocommit = EngineHolder(url, autocommit=True)  # PostgreSQL: single()
         self.dialect = Dialect(make_url(url).get_backend_name())
         self.t = build_tables(table_prefix)
         self._hot = _Hot(self.t, self.dialect)
@@ -330,8 +333,17 @@ class Store:
     def engine(self) -> Engine:
         return self._engine.get()
 
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Every engine of this store, for instrumentation: the transactional one and, on
+        PostgreSQL, the autocommit one single statements use (take, finish, heartbeat)."""
+        if self.dialect.is_sqlite:
+            return (self.engine,)
+        return (self.engine, self._autocommit.get())
+
     def dispose(self) -> None:
         self._engine.dispose()
+        self._autocommit.dispose()
 
     @guarded
     def _connect(self) -> Connection:
@@ -356,8 +368,7 @@ class Store:
             with self.begin() as conn:
                 yield conn
             return
-        with self.engine.connect() as conn:
-            conn.execution_options(isolation_level="AUTOCOMMIT")
+        with self._autocommit.get().connect() as conn:  # connections stay in autocommit
             yield conn
 
     @contextmanager

@@ -19,7 +19,7 @@ from typing import Any
 
 from celery.worker.state import revoked as celery_revoked
 
-from celery_resilient.core import codec, messages, workkey
+from celery_resilient.core import messages, workkey
 from celery_resilient.core.states import EXPIRED, REVOKED
 from celery_resilient.errors import ResilientError
 from celery_resilient.runtime.outcomes import Outcome
@@ -38,8 +38,9 @@ def record_received(rt: Runtime, request: Any) -> None:
     msg = request.message
     try:
         key = workkey.derive(task, request.id, request.args, request.kwargs, msg.headers)
-        rt.receipts.add(Receipt(key, request.name, request.id,
-                                codec.args_digest(request.args, request.kwargs),
+        # No argument digest here (JSON of the arguments on the event loop, ~0.2 ms per
+        # message): the take records it, and a conflicting copy is refused there.
+        rt.receipts.add(Receipt(key, request.name, request.id, None,
                                 messages.from_kombu(msg)))
     except ResilientError as exc:
         log.error("could not record receipt of %s: %s", request.id, exc,

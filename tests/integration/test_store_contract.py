@@ -382,11 +382,13 @@ def test_heartbeat_renews_one_lease_row_whatever_the_number_of_claims(store: Sto
     def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         statements.append(statement)
 
-    event.listen(store.engine, "before_cursor_execute", count)
+    for engine in store.engines:
+        event.listen(engine, "before_cursor_execute", count)
     try:
         assert store.heartbeat(me, 600) is True
     finally:
-        event.remove(store.engine, "before_cursor_execute", count)
+        for engine in store.engines:
+            event.remove(engine, "before_cursor_execute", count)
     writes = [s for s in statements if s.lstrip().upper().startswith(("UPDATE", "INSERT"))]
     assert len(writes) == 1 and f"{store.prefix}workers" in writes[0], writes
     assert not any(f"{store.prefix}work " in s or f"{store.prefix}work\n" in s
