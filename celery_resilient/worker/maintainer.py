@@ -30,6 +30,9 @@ from celery_resilient.worker.receiving import RevokeWatcher
 
 log = logging.getLogger(__name__)
 REVOKE_POLL_SECONDS = 1.0
+#: After a wake for new receipts, how long to let more arrive before one flush writes them
+#: all: under load one statement carries many deliveries instead of one each.
+RECEIPT_COALESCE_SECONDS = 0.005
 #: A claim taken this recently may not be in Celery's active requests yet.
 EXECUTING_GRACE_SECONDS = 5.0
 
@@ -257,7 +260,7 @@ class Maintainer(threading.Thread):
 
     def run(self) -> None:
         cfg = self.rt.config
-        next_sweep = time.monotonic()
+        next_sweep = next_revokes = time.monotonic()
         failures = 0
         while not self._stop_event.is_set():
             now = time.monotonic()
@@ -265,7 +268,9 @@ class Maintainer(threading.Thread):
                 self.flush_receipts()
                 # Ended requests before the sweep: an ended claim is never an orphan.
                 self.rt.outcomes.flush(self.rt.store)
-                self.revokes.flush(self.rt)
+                if now >= next_revokes or now >= next_sweep:  # a copy of the whole list
+                    self.revokes.flush(self.rt)
+                    next_revokes = now + REVOKE_POLL_SECONDS
                 if now >= next_sweep:
                     self.reconcile()
                     if time.monotonic() - now > cfg.lease_seconds / 4:
@@ -301,8 +306,9 @@ class Maintainer(threading.Thread):
                               extra={"action": "maintenance_error"})
             if failures:
                 self._stop_event.wait(wait)
-            else:  # wake early for new receipts and outcomes; look at revokes every second
-                self.rt.receipts.arrived.wait(min(wait, REVOKE_POLL_SECONDS))
+            elif self.rt.receipts.arrived.wait(min(wait, REVOKE_POLL_SECONDS)):
+                # woken early for new receipts or outcomes: let a burst gather first
+                self._stop_event.wait(RECEIPT_COALESCE_SECONDS)
 
     def stop(self) -> None:
         self._stop_event.set()
