@@ -22,6 +22,7 @@ Recovery, each logged with ``extra={"action": ...}``:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -67,7 +68,9 @@ PENDING_EVERY = 5.0  # look for claimed-but-unsent slots this often
 SYNC_EVERY = 30.0  # record definitions of entries added through RedBeat's API
 PRUNE_EVERY = 3600.0
 STALE_CLAIM_SECONDS = 60.0  # a claim older than this is re-sent even if its owner may live
-SEND_BATCH = 500
+SEND_BATCH = 500  # slots published between two records of their sends (one transaction)
+PENDING_PAGE = 1000  # claimed-but-unsent rows read at a time
+PENDING_PAGES = 100  # at most this many pages per look (100,000 slots)
 RECORD_SKIPS = 1000  # at least this many of a window's latest slots are recorded when skipped
 TASK_ID_NAMESPACE = uuid.UUID("6f1c2a4e-6a36-4d0b-9a51-5b8a4c3a7e10")
 
@@ -325,9 +328,9 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
               window: windows.Missed, *, now: int, producer: Any, tz: tzinfo | None) -> int:
         key, name = entry.key, entry.name
         decision = decide(policy, window.slots, window.total, now, self.started_at)
+        ids = {s: task_id_for(key, s) for s in decision.send}
         result = self.slots.claim(
-            key, self.identity,
-            [(to_seconds(s), task_id_for(key, s)) for s in decision.send],
+            key, self.identity, [(to_seconds(s), ids[s]) for s in decision.send],
             [(to_seconds(s), task_id_for(key, s)) for s, _ in decision.skipped],
             marker=to_seconds(window.slots[-1]), definition_json=self._definition_json(entry),
         )
@@ -336,19 +339,23 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         self._log_skips(name, decision, policy, tz)
         claimed = {from_seconds(s) for s in result.claimed}
         to_send = [s for s in decision.send if s in claimed]
+        ours = [row for row in result.existing if row.state == CLAIMED and (
+            row.owner == self.identity or liveness.is_dead(row.owner))]
+        taken = {from_seconds(s) for s in self.slots.take_over_many(
+            key, [(row.slot, row.owner) for row in ours], self.identity)} if ours else set()
         for row in result.existing:
             slot = from_seconds(row.slot)
-            if (row.state == CLAIMED
-                    and (row.owner == self.identity or liveness.is_dead(row.owner))
-                    and self.slots.take_over(key, row.slot, row.owner, self.identity)):
+            if slot in taken:
                 to_send.append(slot)
+                ids.setdefault(slot, row.task_id)
                 continue
             log.info("beat: %s slot %s already %s by %s; not sent again", name,
                      _iso(slot, tz), row.state, row.owner,
                      extra={"action": "duplicate_refused", "entry": name,
                             "slot": _iso(slot, tz), "state": row.state})
         to_send.sort()
-        return self._send(entry, to_send, now=now, policy=policy, producer=producer, tz=tz)
+        return self._send(entry, [(s, ids[s]) for s in to_send], now=now, policy=policy,
+                          producer=producer, tz=tz)
 
     def _log_skips(self, name: str, decision: Decision, policy: CatchupPolicy,
                    tz: tzinfo | None) -> None:
@@ -362,27 +369,39 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                      policy.mode, extra={"action": "slot_skipped", "entry": name,
                                          "slot": _iso(slot, tz), "reason": why})
 
-    def _send(self, entry: RedBeatSchedulerEntry, slots: Sequence[int], *, now: int,
-              policy: CatchupPolicy, producer: Any, tz: tzinfo | None) -> int:
-        """Publish claimed slots in order, recording them sent in batches."""
+    def _send(self, entry: RedBeatSchedulerEntry, slots: Sequence[tuple[int, str]], *,
+              now: int, policy: CatchupPolicy, producer: Any, tz: tzinfo | None) -> int:
+        """Publish claimed ``(slot, task_id)`` in order, recording them sent in batches.
+
+        One producer (one broker connection) for the whole catch-up; one ``mark_sent``
+        transaction per :data:`SEND_BATCH` slots, after those slots were published. Late
+        slots get one ``slot_caught_up`` log line per call (per slot at DEBUG) and one
+        ``slot_caught_up`` signal each.
+        """
         key, name = entry.key, entry.name
         grace = round(policy.grace * US)
+        started = self.started_at
+        send = self._sender(entry, producer)
+        signal = signals.slot_caught_up
+        debug = log.isEnabledFor(logging.DEBUG)
+        late: list[tuple[int, str]] = []
         done: list[float] = []
         total = 0
-        send = self._sender(entry, producer)
         try:
-            for slot in slots:
+            for slot, task_id in slots:
                 stamp = _iso(slot, tz)
-                send(slot, task_id_for(key, slot), stamp)
+                send(slot, task_id, stamp)
                 _kill_point_after_publish()
                 done.append(to_seconds(slot))
-                if slot < self.started_at or now - slot > grace:
-                    log.info("beat: %s slot %s caught up (%.1fs late)", name, stamp,
-                             (now - slot) / US, extra={"action": "slot_caught_up",
-                                                       "entry": name, "slot": stamp})
-                    signals.send(signals.slot_caught_up, self.app, name, entry=name,
-                                 slot=stamp, task_id=task_id_for(key, slot),
-                                 late_seconds=(now - slot) / US)
+                if slot < started or now - slot > grace:
+                    late.append((slot, stamp))
+                    if debug:
+                        log.debug("beat: %s slot %s caught up (%.1fs late)", name, stamp,
+                                  (now - slot) / US, extra={"action": "slot_caught_up",
+                                                            "entry": name, "slot": stamp})
+                    if signal.receivers:
+                        signals.send(signal, self.app, name, entry=name, slot=stamp,
+                                     task_id=task_id, late_seconds=(now - slot) / US)
                 if len(done) >= SEND_BATCH:
                     total += self.slots.mark_sent(key, done, self.identity)
                     done = []
@@ -392,31 +411,36 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         except Exception as exc:  # broker trouble: the claimed rows are re-sent later
             log.error("beat: sending %s failed: %s; its claimed slots are re-sent later",
                       name, exc, extra={"action": "publish_failed", "entry": name})
+        finally:
+            if late:
+                _log_caught_up(name, late, now)
         if done:
             total += self.slots.mark_sent(key, done, self.identity)
         return total
 
     def _sender(self, entry: RedBeatSchedulerEntry,
                 producer: Any) -> Callable[[int, str, str], None]:
-        """A function publishing one slot of ``entry`` (options resolved once per entry)."""
+        """A function publishing one slot of ``entry`` (options resolved once per entry).
+
+        Every slot goes through ``task.apply_async`` (or ``send_task`` for a task this
+        process does not know), as Celery's own beat sends, on ``producer`` (the scheduler's
+        one producer when None): Celery's publish signals and routing keep working.
+        """
         options = strip_options(entry.options or {})
         options.pop("task_id", None)
         base_headers = dict(options.pop("headers", None) or {})
         base_headers["celery_beat_task"] = True
         task = self.app.tasks.get(entry.task)
         key = entry.key
+        producer = producer if producer is not None else self.producer
+        publish = task.apply_async if task is not None else functools.partial(
+            self.send_task, entry.task)
 
         def send(slot: int, task_id: str, scheduled_for: str) -> None:
             headers = {**base_headers, SCHEDULED_FOR_HEADER: scheduled_for,
                        ENTRY_HEADER: key, workkey.HEADER: work_key_for(key, slot)}
-            args = _evaluate_entry_args(entry.args)
-            kwargs = _evaluate_entry_kwargs(entry.kwargs)
-            if task is not None:
-                task.apply_async(args, kwargs, producer=producer, task_id=task_id,
-                                 headers=headers, **options)
-            else:
-                self.send_task(entry.task, args, kwargs, producer=producer, task_id=task_id,
-                               headers=headers, **options)
+            publish(_evaluate_entry_args(entry.args), _evaluate_entry_kwargs(entry.kwargs),
+                    producer=producer, task_id=task_id, headers=headers, **options)
 
         return send
 
@@ -588,43 +612,80 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             self._markers.setdefault(key, from_seconds(m.last_slot))
 
     def _resend_pending(self) -> None:
-        """Send slots that were claimed but never published (a beat died in between)."""
-        rows = self.slots.pending(self.prefix)
-        if not rows:
-            return
-        db_now = self.resilient.store.now()
-        for row in rows:
-            if not self._may_resend(row, db_now):
-                continue
-            try:
-                entry = self.Entry.from_key(row.entry, app=self.app)
-            except KeyError:
-                log.error("beat: claimed slot %s of %s cannot be re-sent: the entry is gone",
-                          row.slot, row.entry, extra={"action": "unrecoverable",
-                                                      "entry": row.entry})
-                continue
-            if row.owner != self.identity and not self.slots.take_over(
-                    row.entry, row.slot, row.owner, self.identity):
-                continue
-            slot = from_seconds(row.slot)
-            tz = _tz(entry.schedule)
-            try:
-                self._sender(entry, self.producer)(slot, row.task_id, _iso(slot, tz))
-                _kill_point_after_publish()
-            except Exception as exc:
-                log.error("beat: re-sending %s slot %s failed: %s", entry.name,
-                          _iso(slot, tz), exc, extra={"action": "publish_failed",
-                                                      "entry": entry.name})
-                return
-            self.slots.mark_sent(row.entry, [row.slot], self.identity)
-            log.warning("beat: %s slot %s was claimed by %s but not recorded sent; re-sent as %s",
-                        entry.name, _iso(slot, tz), row.owner, row.task_id,
-                        extra={"action": "slot_resent", "entry": entry.name,
-                               "slot": _iso(slot, tz), "task_id": row.task_id})
+        """Send slots that were claimed but never recorded sent (a beat died in between).
 
-    def _may_resend(self, row: Run, db_now: float) -> bool:
-        return (row.owner == self.identity or liveness.is_dead(row.owner)
-                or db_now - row.claimed_at > STALE_CLAIM_SECONDS)
+        Batched as the catch-up is: per entry, one compare-and-set transaction takes the
+        rows of dead (or stale) owners, each slot is published on the one producer with its
+        own task id, and the sends are recorded per :data:`SEND_BATCH`. Pages of
+        :data:`PENDING_PAGE` rows until none is left that this beat may send.
+        """
+        db_now: float | None = None
+        gone: dict[str | None, bool] = {}
+        for _ in range(PENDING_PAGES):
+            rows = self.slots.pending(self.prefix, limit=PENDING_PAGE)
+            if not rows:
+                return
+            if db_now is None:
+                db_now = self.resilient.store.now()
+            by_entry: dict[str, list[Run]] = {}
+            for row in rows:
+                if row.owner not in gone:  # one liveness check per owner, not per row
+                    gone[row.owner] = row.owner == self.identity or liveness.is_dead(row.owner)
+                if gone[row.owner] or db_now - row.claimed_at > STALE_CLAIM_SECONDS:
+                    by_entry.setdefault(row.entry, []).append(row)
+            sent = 0
+            for key, runs in by_entry.items():
+                count, ok = self._resend_entry(key, runs)
+                sent += count
+                if not ok:
+                    return
+            if len(rows) < PENDING_PAGE or not sent:
+                return
+
+    def _resend_entry(self, key: str, rows: Sequence[Run]) -> tuple[int, bool]:
+        """Re-send one entry's claimed rows; ``(slots recorded sent, no publish failed)``."""
+        try:
+            entry = self.Entry.from_key(key, app=self.app)
+        except KeyError:
+            log.error("beat: %d claimed slots of %s cannot be re-sent: the entry is gone",
+                      len(rows), key, extra={"action": "unrecoverable", "entry": key})
+            return 0, True
+        owners = {row.slot: row.owner for row in rows}
+        slots = [row.slot for row in rows if row.owner == self.identity]
+        others = [(row.slot, row.owner) for row in rows if row.owner != self.identity]
+        if others:
+            slots.extend(self.slots.take_over_many(key, others, self.identity))
+        ids = {row.slot: row.task_id for row in rows}
+        tz = _tz(entry.schedule)
+        send = self._sender(entry, None)
+        done: list[float] = []
+        total = 0
+        ok = True
+        try:
+            for seconds in sorted(slots):
+                slot = from_seconds(seconds)
+                stamp = _iso(slot, tz)
+                send(slot, ids[seconds], stamp)
+                _kill_point_after_publish()
+                done.append(seconds)
+                log.warning("beat: %s slot %s was claimed by %s but not recorded sent; "
+                            "re-sent as %s", entry.name, stamp, owners[seconds], ids[seconds],
+                            extra={"action": "slot_resent", "entry": entry.name,
+                                   "slot": stamp, "task_id": ids[seconds]})
+                if len(done) >= SEND_BATCH:
+                    total += self.slots.mark_sent(key, done, self.identity)
+                    done = []
+                    self._keep_lock()
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            log.error("beat: re-sending %s failed: %s; its claimed slots are re-sent later",
+                      entry.name, exc, extra={"action": "publish_failed",
+                                              "entry": entry.name})
+            ok = False
+        if done:
+            total += self.slots.mark_sent(key, done, self.identity)
+        return total, ok
 
 
 def _check_interval(name: str, sched: Any) -> None:
@@ -638,6 +699,21 @@ def _check_interval(name: str, sched: Any) -> None:
 
 def _iso(slot: int, tz: tzinfo | None) -> str:
     return from_us(slot, tz).isoformat()
+
+
+def _log_caught_up(name: str, late: Sequence[tuple[int, str]], now: int) -> None:
+    """One line for the late slots of one catch-up of an entry (``late``: oldest first)."""
+    (first, first_stamp), (last, last_stamp) = late[0], late[-1]
+    if len(late) == 1:
+        log.info("beat: %s: 1 missed slot caught up: %s (%.1fs late)", name, first_stamp,
+                 (now - first) / US, extra={"action": "slot_caught_up", "entry": name,
+                                            "count": 1, "first": first_stamp,
+                                            "last": first_stamp})
+        return
+    log.info("beat: %s: %d missed slots caught up: %s to %s (%.1fs to %.1fs late)", name,
+             len(late), first_stamp, last_stamp, (now - first) / US, (now - last) / US,
+             extra={"action": "slot_caught_up", "entry": name, "count": len(late),
+                    "first": first_stamp, "last": last_stamp})
 
 
 def _kill_point(path: str | None = None) -> None:

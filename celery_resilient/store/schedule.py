@@ -21,12 +21,30 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, delete, or_, select, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Float,
+    String,
+    and_,
+    any_,
+    bindparam,
+    case,
+    delete,
+    false,
+    func,
+    literal,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from celery_resilient.store.sql import Store, guarded
 
 CLAIMED, SENT, SKIPPED, STARTED = "claimed", "sent", "skipped", "started"
 CHUNK = 400  # rows per multi-row statement: far below every dialect's parameter limit
+SEND_CHUNK = 5000  # slots per PostgreSQL UPDATE (one array parameter)
+_COLUMNS = ("entry", "slot", "state", "task_id", "owner", "claimed_at")
 
 
 @dataclass(frozen=True)
@@ -168,53 +186,100 @@ class ScheduleStore:
 
         ``send`` and ``skipped`` are ``(slot, task_id)``. A slot that already has a row is not
         claimed again; its row is returned in ``existing`` for the caller to judge.
+
+        Set-based, whatever the number of slots: on PostgreSQL one ``INSERT ... SELECT FROM
+        unnest(slots, task_ids) ON CONFLICT DO NOTHING RETURNING slot`` per state; on SQLite
+        (one writer at a time: ``BEGIN IMMEDIATE``) one read of the slots already recorded in
+        the range, then one executemany of a single cached INSERT.
         """
         r = self.runs
-        d = self.store.dialect
-        mine = {s for s, _ in send}
-        lo, hi = (min(mine), max(mine)) if mine else (0.0, -1.0)
-        in_range = select(r).where(r.c.entry == entry, r.c.slot >= lo, r.c.slot <= hi)
         with self.store.begin() as conn:
-            before = {float(x.slot) for x in conn.execute(in_range).all()} if mine else set()
-            for rows, state in ((send, CLAIMED), (skipped, SKIPPED)):
-                if not rows:
-                    continue
-                stmt = d.insert(r).values(entry=entry, state=state, owner=owner,
-                                          claimed_at=d.now()).on_conflict_do_nothing(
-                    index_elements=[r.c.entry, r.c.slot])
-                # executemany of one cached statement, batched by SQLAlchemy and the driver
-                conn.execute(stmt, [{"slot": s, "task_id": tid} for s, tid in rows])
-            claimed: list[float] = []
+            if self.store.dialect.is_sqlite:
+                claimed, taken = self._claim_sqlite(conn, entry, owner, send, skipped)
+            else:
+                claimed = self._insert_unnest(conn, entry, owner, CLAIMED, send)
+                self._insert_unnest(conn, entry, owner, SKIPPED, skipped)
+                got = set(claimed)
+                taken = [s for s, _ in send if s not in got]
             existing: list[Run] = []
-            for x in conn.execute(in_range).all() if mine else ():
-                slot = float(x.slot)
-                if slot not in mine:
-                    continue
-                if slot not in before and x.owner == owner:
-                    claimed.append(slot)  # owners are unique per process: this is our insert
-                else:
-                    existing.append(_run(x))
+            for chunk in _chunks(taken):
+                existing.extend(_run(x) for x in conn.execute(select(r).where(
+                    r.c.entry == entry, r.c.slot.in_(list(chunk)))).all())
             current = self._advance(conn, entry, marker, definition_json)
+        existing.sort(key=lambda run: run.slot)
         return ClaimResult(tuple(sorted(claimed)), tuple(existing), current)
+
+    def _claim_sqlite(self, conn: Connection, entry: str, owner: str,
+                      send: Sequence[tuple[float, str]],
+                      skipped: Sequence[tuple[float, str]]) -> tuple[list[float], list[float]]:
+        """SQLite: ``(claimed, already recorded)`` slots of ``send``; writes under the lock."""
+        r = self.runs
+        d = self.store.dialect
+        before: set[float] = set()
+        if send:
+            lo = min(s for s, _ in send)
+            hi = max(s for s, _ in send)
+            before = {float(x) for x in conn.execute(select(r.c.slot).where(
+                r.c.entry == entry, r.c.slot >= lo, r.c.slot <= hi)).scalars()}
+        stmt = d.insert(r).values(entry=entry, state=bindparam("state"), owner=owner,
+                                  claimed_at=d.now()).on_conflict_do_nothing(
+            index_elements=[r.c.entry, r.c.slot])
+        claimed = [s for s, _ in send if s not in before]
+        params = [{"slot": s, "task_id": t, "state": CLAIMED} for s, t in send
+                  if s not in before]
+        params.extend({"slot": s, "task_id": t, "state": SKIPPED} for s, t in skipped)
+        if params:  # executemany of one cached statement
+            conn.execute(stmt, params)
+        return claimed, sorted(s for s, _ in send if s in before)
+
+    def _insert_unnest(self, conn: Connection, entry: str, owner: str, state: str,
+                       rows: Sequence[tuple[float, str]]) -> list[float]:
+        """PostgreSQL: insert ``(slot, task_id)`` rows missing; return the slots inserted."""
+        if not rows:
+            return []
+        r = self.runs
+        u = _unnest("slots", "ids")
+        src = select(
+            literal(entry, String).label("entry"), u.c.slot,
+            literal(state, String).label("state"), u.c.task_id,
+            literal(owner, String).label("owner"), self.store.dialect.now().label("claimed_at"),
+        )
+        stmt = (self.store.dialect.insert(r).from_select(list(_COLUMNS), src)
+                .on_conflict_do_nothing(index_elements=[r.c.entry, r.c.slot])
+                .returning(r.c.slot))
+        res = conn.execute(stmt, {"slots": [s for s, _ in rows], "ids": [t for _, t in rows]})
+        return [float(x) for x in res.scalars()]
 
     @guarded
     def mark_sent(self, entry: str, slots: Sequence[float], owner: str) -> int:
-        """Record slots as sent (only rows this owner still holds).
+        """Record slots as sent (only rows this owner still holds), in one transaction.
 
         A slot a worker already ``started`` (it can start before the send is recorded) keeps
-        its state and gets its send time; it counts as sent.
+        its state and gets its send time; it counts as sent. One UPDATE per chunk of sorted
+        slots (``slot = ANY(:slots)`` on PostgreSQL, an ``IN`` list on SQLite), bounded by the
+        chunk's first and last slot, and with the state test written as a CASE: the only
+        index it can use is the primary key's (entry, slot range). A plain ``state =
+        'claimed'`` test lets a plan made on stale statistics scan every claimed row of the
+        table per chunk, quadratic in a large catch-up.
         """
+        if not slots:
+            return 0
         r = self.runs
+        sqlite = self.store.dialect.is_sqlite
+        listed = (r.c.slot.in_(bindparam("b_slots", expanding=True)) if sqlite
+                  else r.c.slot == any_(bindparam("b_slots", type_=ARRAY(Float))))
+        stmt = update(r).where(
+            r.c.entry == entry, r.c.slot >= bindparam("b_lo"), r.c.slot <= bindparam("b_hi"),
+            listed,
+            case((r.c.state == CLAIMED, r.c.owner == owner),
+                 (r.c.state == STARTED, r.c.sent_at.is_(None)), else_=false()),
+        ).values(state=case((r.c.state == CLAIMED, SENT), else_=r.c.state),
+                 sent_at=self.store.dialect.now())
         n = 0
         with self.store.begin() as conn:
-            now = self.store.dialect.now()
-            for chunk in _chunks(slots):
-                n += conn.execute(update(r).where(
-                    r.c.entry == entry, r.c.slot.in_(chunk),
-                    or_(and_(r.c.state == CLAIMED, r.c.owner == owner),
-                        and_(r.c.state == STARTED, r.c.sent_at.is_(None))),
-                ).values(state=case((r.c.state == CLAIMED, SENT), else_=r.c.state),
-                         sent_at=now)).rowcount
+            for chunk in _chunks(sorted(slots), CHUNK if sqlite else SEND_CHUNK):
+                n += conn.execute(stmt, {"b_slots": list(chunk), "b_lo": chunk[0],
+                                         "b_hi": chunk[-1]}).rowcount
         return n
 
     @guarded
@@ -266,6 +331,29 @@ class ScheduleStore:
         return bool(res.rowcount == 1)
 
     @guarded
+    def take_over_many(self, entry: str, rows: Sequence[tuple[float, str | None]],
+                       owner: str) -> list[float]:
+        """:meth:`take_over` of many ``(slot, previous_owner)`` rows of one entry, in one
+        transaction (one compare-and-set statement per previous owner and :data:`CHUNK`
+        slots); return the slots taken."""
+        r = self.runs
+        by_owner: dict[str | None, list[float]] = {}
+        for slot, previous in rows:
+            by_owner.setdefault(previous, []).append(slot)
+        won: list[float] = []
+        with self.store.begin() as conn:
+            now = self.store.dialect.now()
+            for previous, slots in by_owner.items():
+                was = r.c.owner.is_(None) if previous is None else r.c.owner == previous
+                stmt = (update(r).where(r.c.entry == entry, r.c.state == CLAIMED, was,
+                                        r.c.slot.in_(bindparam("slots", expanding=True)))
+                        .values(owner=owner, claimed_at=now).returning(r.c.slot))
+                for chunk in _chunks(slots):
+                    won.extend(float(x) for x in conn.execute(
+                        stmt, {"slots": list(chunk)}).scalars())
+        return sorted(won)
+
+    @guarded
     def pending(self, prefix: str = "", limit: int = 1000) -> list[Run]:
         """Claimed slots not yet recorded as sent, oldest first, with the database's now."""
         r = self.runs
@@ -306,6 +394,12 @@ class ScheduleStore:
             cutoff = self.store.dialect.now() - older_than
             return int(conn.execute(delete(r).where(
                 r.c.state.in_((SENT, STARTED, SKIPPED)), r.c.claimed_at < cutoff)).rowcount)
+
+
+def _unnest(slots: str, ids: str) -> Any:
+    """PostgreSQL: ``unnest(:slots, :ids) AS u(slot, task_id)``, two array parameters."""
+    return (func.unnest(bindparam(slots, type_=ARRAY(Float)), bindparam(ids, type_=ARRAY(String)))
+            .table_valued("slot", "task_id").render_derived(name="u"))
 
 
 def _run(row: Any) -> Run:
