@@ -45,10 +45,11 @@ from celery_resilient.beat.once import ENTRY_HEADER
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
 from celery_resilient.core import liveness, workkey
+from celery_resilient.core.states import CLAIMED
 from celery_resilient.errors import ConfigurationError, ScheduleError, StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
-from celery_resilient.store.schedule import CLAIMED, Run, ScheduleStore
+from celery_resilient.store.schedule import Run, ScheduleStore
 from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER
 
 log = logging.getLogger(__name__)

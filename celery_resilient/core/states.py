@@ -104,3 +104,8 @@ BY_NAME = {t.name: t for t in TRANSITIONS}
 def allowed(name: str, state: str | None) -> bool:
     """Whether transition ``name`` may start from ``state`` (None: no row yet)."""
     return (NEW if state is None else state) in BY_NAME[name].sources
+
+
+#: States of a beat slot record (``schedule_runs``): claimed by a beat, then sent, started by
+#: a worker, or skipped by its catch-up policy.
+CLAIMED, SENT, SKIPPED, STARTED = "claimed", "sent", "skipped", "started"

@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import Connection, case, func, or_, select
 
-from celery_resilient.core.states import DEAD, OPEN_STATES
+from celery_resilient.core.states import CLAIMED, DEAD, OPEN_STATES
 from celery_resilient.store.retention import (
     FINISHED_STATES,
     PRUNE_BATCH,
@@ -27,7 +27,6 @@ from celery_resilient.store.retention import (
     ledger_before,
     revocations_before,
 )
-from celery_resilient.store.schedule import CLAIMED
 from celery_resilient.store.sql import Store, WorkInfo, guarded, work_info
 
 

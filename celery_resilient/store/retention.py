@@ -28,8 +28,7 @@ from typing import Any
 
 from sqlalchemy import and_, delete, exists, func, select, tuple_
 
-from celery_resilient.core.states import OPEN_STATES, TERMINAL_STATES
-from celery_resilient.store.schedule import SENT, SKIPPED, STARTED
+from celery_resilient.core.states import OPEN_STATES, SENT, SKIPPED, STARTED, TERMINAL_STATES
 from celery_resilient.store.schema import Tables
 from celery_resilient.store.sql import Store, guarded
 

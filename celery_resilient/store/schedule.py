@@ -39,9 +39,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 
+from celery_resilient.core.states import CLAIMED, SENT, SKIPPED, STARTED
+from celery_resilient.store import retention
 from celery_resilient.store.sql import Store, guarded
 
-CLAIMED, SENT, SKIPPED, STARTED = "claimed", "sent", "skipped", "started"
 CHUNK = 400  # rows per multi-row statement: far below every dialect's parameter limit
 SEND_CHUNK = 5000  # slots per PostgreSQL UPDATE (one array parameter)
 _COLUMNS = ("entry", "slot", "state", "task_id", "owner", "claimed_at")
@@ -388,12 +389,14 @@ class ScheduleStore:
     @guarded
     def prune(self, older_than: float) -> int:
         """Delete sent, started and skipped slot rows claimed more than ``older_than`` seconds
-        ago."""
-        r = self.runs
-        with self.store.begin() as conn:
-            cutoff = self.store.dialect.now() - older_than
-            return int(conn.execute(delete(r).where(
-                r.c.state.in_((SENT, STARTED, SKIPPED)), r.c.claimed_at < cutoff)).rowcount)
+        ago, in batches (short transactions, an index on ``claimed_at``)."""
+        cutoff = self.store.now() - older_than
+        total = 0
+        while True:
+            deleted = retention.delete_beat_runs(self.store, cutoff)
+            total += deleted
+            if deleted < retention.PRUNE_BATCH:
+                return total
 
 
 def _unnest(slots: str, ids: str) -> Any:
