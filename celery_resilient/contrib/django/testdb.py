@@ -62,6 +62,8 @@ _NO_TEST_DATABASE = "(no test database)"
 def follow_test_databases() -> None:
     """Remember the real databases' store URLs and follow test databases from now on."""
     for alias in settings.DATABASES:
+        if alias in _real:  # taken once, before any test database replaced the real one
+            continue
         try:
             _real[alias] = database_url(alias)
         except ConfigurationError:
