@@ -6,7 +6,7 @@ ledger marker each, finished 30 days ago), 1000 open units and old worker rows, 
 
 1. ``EXPLAIN`` of every retention delete (the SQL as the store sends it, captured from the
    first batch), and whether any of them scans a big table sequentially;
-2. the worker's own :class:`~celery_resilient.worker.maintainer.Pruner` runs turns until the
+2. the worker's own :class:`~celery_resilient.worker.pruner.Pruner` runs turns until the
    round ends, timing every batch: each batch is one transaction, so its duration is the
    longest any row lock of it is held;
 3. meanwhile a probe thread updates an open work row (as a checkpoint's fence does) in a
@@ -31,7 +31,7 @@ from sqlalchemy import event, text
 from celery_resilient import Resilient
 from celery_resilient.store import retention
 from celery_resilient.testing.services import drop_prefixed_tables
-from celery_resilient.worker.maintainer import Pruner
+from celery_resilient.worker.pruner import Pruner
 
 PG_URL = os.environ.get("RESILIENT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 DAY = 86_400.0

@@ -25,7 +25,8 @@ from celery_resilient.store.admin_queries import AdminQueries
 from celery_resilient.store.operator_queries import prune_workers
 from celery_resilient.store.sql import Store
 from celery_resilient.testing import wait_for
-from celery_resilient.worker.maintainer import Maintainer, Pruner
+from celery_resilient.worker.maintainer import Maintainer
+from celery_resilient.worker.pruner import Pruner
 
 DAY = 86_400.0
 LEASE = 30.0
@@ -278,7 +279,7 @@ def test_a_turn_is_bounded_in_time(resilient: Resilient, monkeypatch: pytest.Mon
     """A turn stops after PRUNE_TURN_SECONDS: the round goes on at the next turn."""
     store = resilient.store
     fill(store)
-    monkeypatch.setattr("celery_resilient.worker.maintainer.PRUNE_TURN_SECONDS", 0.0)
+    monkeypatch.setattr("celery_resilient.worker.pruner.PRUNE_TURN_SECONDS", 0.0)
     pruner = Pruner(resilient)
     pruner.turn()  # one batch (of the first table), then the budget is spent
     assert pruner.busy
@@ -356,7 +357,7 @@ def test_a_real_maintainer_prunes_and_survives_a_store_outage(
 
     monkeypatch.setattr(retention, "delete_finished_work", flaky)
     maint = Maintainer(resilient, Owner("ret@host", "inc-ret", os.getpid()))
-    with caplog.at_level(logging.INFO, logger="celery_resilient.worker.maintainer"):
+    with caplog.at_level(logging.INFO, logger="celery_resilient.worker"):  # maintainer, pruner
         maint.start()
         try:
             wait_for(lambda: len(failures) == 2, 10, "two failed prune turns")
