@@ -9,6 +9,7 @@ the library is not changed, its ``Store`` methods are wrapped from here).
 
 from __future__ import annotations
 
+import cProfile
 import functools
 import json
 import os
@@ -22,6 +23,7 @@ from celery import Celery, signals
 from sqlalchemy import Engine, event
 
 from celery_resilient import Resilient, ResumableTask
+from celery_resilient.store.hot import HotStatements
 from celery_resilient.store.sql import Store
 
 app = Celery("bench", broker=os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/13"))
@@ -82,6 +84,18 @@ def _install_profiling() -> None:
     for name in ("record_receipt", "take", "finish", "heartbeat", "claim_orphans",
                  "load_checkpoint", "save_checkpoint", "get_step", "put_step"):
         setattr(Store, name, _timed(f"Store.{name}", getattr(Store, name)))
+    run_hot = HotStatements.run
+
+    def timed_hot(self: HotStatements, conn: Any, name: str, params: dict[str, Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return run_hot(self, conn, name, params)
+        finally:  # hot statements bypass SQLAlchemy's cursor events on PostgreSQL
+            entry = _sql[f"(hot statement) {name}"]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+
+    HotStatements.run = timed_hot  # type: ignore[method-assign]
 
     @event.listens_for(Engine, "before_cursor_execute")
     def _before(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
@@ -106,13 +120,41 @@ def _dump(role: str) -> None:
     path.write_text(json.dumps({"role": role, "calls": dict(_calls), "sql": dict(_sql)}))
 
 
+_profiler: cProfile.Profile | None = None
+
+
+def _start_cprofile() -> None:
+    """With BENCH_CPROFILE=1: a CPU-time profile of this process (every thread's CPU, not
+    wall time), written beside the store timings as ``<role>-<pid>.prof``."""
+    global _profiler
+    if os.environ.get("BENCH_CPROFILE") == "1":
+        _profiler = cProfile.Profile(time.process_time)
+        _profiler.enable()
+
+
+def _stop_cprofile(role: str) -> None:
+    if _profiler is not None and _PROFILE_DIR is not None:
+        _profiler.disable()
+        _profiler.dump_stats(str(Path(_PROFILE_DIR) / f"{role}-{os.getpid()}.prof"))
+
+
 if _PROFILE_DIR:
     _install_profiling()
 
+    @signals.worker_init.connect(weak=False)
+    def _profile_main(**_: Any) -> None:
+        _start_cprofile()
+
+    @signals.worker_process_init.connect(weak=False)
+    def _profile_child(**_: Any) -> None:
+        _start_cprofile()
+
     @signals.worker_process_shutdown.connect(weak=False)
     def _dump_child(**_: Any) -> None:
+        _stop_cprofile("child")
         _dump("child")
 
     @signals.worker_shutdown.connect(weak=False)
     def _dump_main(**_: Any) -> None:
+        _stop_cprofile("main")
         _dump("main")

@@ -74,6 +74,22 @@ class Worker:
             self.proc.wait(timeout=30)
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far; 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_cpu() -> float:
+    """CPU seconds every CPU of the machine has spent busy (not idle or iowait) so far."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """Nearest-rank percentile (p in 0..100)."""
     ordered = sorted(values)

@@ -9,7 +9,7 @@ tells the mode's worker to consume that queue (remote control ``add_consumer``),
 clock when the queue is empty and nothing is left unacked (acks_late: a message is acked after
 its task returned; for ResumableTask after the result is committed to the store).
 
-    python benchmarks/throughput.py [--tasks 2000] [--reps 5] [--profile DIR]
+    python benchmarks/throughput.py [--tasks 2000] [--reps 5] [--profile DIR [--cprofile]]
 
 Prints a markdown table: median tasks/s per mode and the ratio ours/plain.
 """
@@ -34,7 +34,15 @@ import celery
 import kombu
 import redis
 import sqlalchemy
-from bench_common import Worker, machine, markdown_table, median, wait_for
+from bench_common import (
+    Worker,
+    machine,
+    machine_busy_cpu,
+    markdown_table,
+    median,
+    process_cpu,
+    wait_for,
+)
 from celery import Celery
 from sqlalchemy import create_engine, text
 
@@ -54,6 +62,8 @@ class Mode:
     worker: Worker | None = None
     rates: list[float] = field(default_factory=list)
     publish_rates: list[float] = field(default_factory=list)
+    # CPU ms per task while the tasks ran: worker main process, pool processes, rest of machine
+    cpu: list[tuple[float, float, float]] = field(default_factory=list)
 
     @property
     def store_label(self) -> str:
@@ -70,6 +80,7 @@ class Bench:
         self.concurrency = concurrency
         self.tmp = tmp
         self.profile_dir = profile_dir
+        self.cprofile = False
         self.redis = redis.Redis.from_url(broker)
         self.client = Celery("bench-client", broker=broker)
         self.unacked_baseline = int(self.redis.hlen("unacked"))
@@ -87,6 +98,7 @@ class Bench:
             out = self.profile_dir / mode.name
             out.mkdir(parents=True, exist_ok=True)
             env["BENCH_PROFILE_DIR"] = str(out)
+            env["BENCH_CPROFILE"] = "1" if self.cprofile else "0"
         # The worker starts on an idle queue of its own; run() points it at the loaded queue.
         mode.worker = Worker(mode.name, env, f"{mode.queue}-idle", self.tmp,
                              concurrency=self.concurrency).start()
@@ -113,6 +125,9 @@ class Bench:
             for i in range(n):
                 self.client.send_task(mode.task, args=(i,), queue=mode.queue, producer=producer)
         t0 = time.perf_counter()
+        pids = mode.worker.pids() if mode.worker is not None else []
+        cpu0 = [process_cpu(pid) for pid in pids]
+        busy0 = machine_busy_cpu()
         node = [f"{mode.name}@{socket.gethostname()}"]
         replies = self.client.control.add_consumer(mode.queue, destination=node, reply=True,
                                                    timeout=10)
@@ -120,6 +135,10 @@ class Bench:
             raise RuntimeError(f"worker {mode.name} did not answer add_consumer")
         wait_for(lambda: self.drained(mode), timeout, f"{mode.name} to drain {n} tasks")
         elapsed = time.perf_counter() - t0
+        used = [process_cpu(pid) - before for pid, before in zip(pids, cpu0, strict=True)]
+        rest = machine_busy_cpu() - busy0 - sum(used)
+        mode.cpu.append((used[0] * 1000 / n if used else 0.0,
+                         sum(used[1:]) * 1000 / n, rest * 1000 / n))
         self.client.control.cancel_consumer(mode.queue, destination=node, reply=True,
                                             timeout=10)
         return n / elapsed, n / (t0 - t_publish)
@@ -180,10 +199,12 @@ def results_table(modes: list[Mode]) -> str:
             f"{min(mode.rates):.0f}-{max(mode.rates):.0f}",
             f"{median(mode.rates) / median(plain.rates):.2f}",
             f"{median(paired):.2f}", f"{median(mode.publish_rates):.0f}",
+            *(f"{median([c[i] for c in mode.cpu[-len(mode.rates):]]):.2f}" for i in range(3)),
         ))
     return markdown_table(
         ["mode", "store", "median tasks/s", "range", "ratio ours/plain (medians)",
-         "ratio (median of per-rep pairs)", "publish msgs/s"], rows)
+         "ratio (median of per-rep pairs)", "publish msgs/s",
+         "CPU ms/task: worker main", "pool processes", "rest of machine"], rows)
 
 
 def measure(bench: Bench, modes: list[Mode], args: argparse.Namespace) -> None:
@@ -224,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="milliseconds each task body sleeps (0: trivial tasks)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="directory: time every store call and SQL statement in the workers")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="with --profile: also a CPU-time cProfile of every worker process "
+                             "(<DIR>/<mode>/<role>-<pid>.prof; read with python -m pstats)")
     args = parser.parse_args(argv)
+    if args.cprofile and not args.profile:
+        parser.error("--cprofile needs --profile DIR")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     tag = uuid.uuid4().hex[:8]
@@ -239,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         mode.queue = f"bench-{mode.name}-{tag}"
 
     bench = Bench(args.broker, args.concurrency, tmp, args.profile, args.body_ms)
+    bench.cprofile = args.cprofile
     if bench.unacked_baseline:
         print(f"note: {bench.unacked_baseline} unacked messages already in {args.broker}; "
               "use a broker database of its own for exact drain detection", file=sys.stderr)

@@ -17,21 +17,13 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import (
-    BigInteger,
     Connection,
     Engine,
-    Float,
-    Integer,
     Row,
-    String,
-    Text,
     and_,
-    bindparam,
-    case,
     delete,
     exists,
     func,
-    literal,
     or_,
     select,
     update,
@@ -58,6 +50,7 @@ from celery_resilient.errors import StaleClaimError, StoreUnavailable, WorkKeyCo
 from celery_resilient.store import migrate, transient
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
+from celery_resilient.store.hot import HotStatements
 from celery_resilient.store.schema import build_tables
 
 log = logging.getLogger(__name__)
@@ -210,111 +203,6 @@ class WorkInfo:
 
 
 
-class _Hot:
-    """Statements on every task's path, built once: no per-call construction or cache keys."""
-
-    def __init__(self, t: Any, dialect: Dialect) -> None:
-        w, rv = t.work, t.revocations
-        now = dialect.now()
-        self.take_fast = (
-            # The common take in one statement: a reserved or requeued claim, compatible
-            # arguments, under the death cap, its task id not revoked. Anything else takes
-            # the careful path.
-            update(w)
-            # or_, not in_: an IN list is rendered again on every call
-            .where(w.c.work_key == bindparam("k"),
-                   or_(w.c.state == RESERVED, w.c.state == REQUEUED),
-                   w.c.deaths < bindparam("max_attempts", type_=Integer),
-                   or_(w.c.args_digest.is_(None), bindparam("digest", type_=String).is_(None),
-                       w.c.args_digest == bindparam("digest", type_=String)),
-                   w.c.retries <= bindparam("retries", type_=Integer),
-                   ~exists().where(rv.c.task_id == bindparam("task_id", type_=String)))
-            .values(state=RUNNING, epoch=w.c.epoch + 1, owner_node=bindparam("node"),
-                    incarnation=bindparam("inc"), owner_pid=bindparam("pid"),
-                    lease_expires_at=now + bindparam("lease", type_=Float),
-                    attempts=w.c.attempts + 1, task_id=bindparam("task_id"), error=None,
-                    retries=bindparam("retries", type_=Integer),
-                    args_digest=func.coalesce(w.c.args_digest,
-                                              bindparam("digest", type_=String)),
-                    updated_at=now)
-            .returning(w.c.epoch, w.c.attempts, w.c.deaths)
-        )
-        self.close = (
-            update(w)
-            .where(w.c.work_key == bindparam("k"), w.c.epoch == bindparam("e"),
-                   w.c.state == RUNNING)
-            .values(state=bindparam("state"), result_json=bindparam("result_json"),
-                    error=bindparam("error"), owner_pid=None, lease_expires_at=None,
-                    updated_at=now, finished_at=now)
-        )
-        self.fence = (
-            update(w)
-            .where(w.c.work_key == bindparam("k"), w.c.epoch == bindparam("e"),
-                   w.c.state == RUNNING)
-            .values(updated_at=now)
-        )
-        c = t.checkpoints
-        stored = select(c.c.state_json).where(c.c.work_key == bindparam("k")).scalar_subquery()
-        # A checkpoint that changes the state is progress: the crash-loop counter starts
-        # again, so a long task interrupted by many deploys while advancing is not poison,
-        # while one that dies again and again at the same checkpoint is.
-        progress = stored.is_distinct_from(bindparam("state_json", type_=Text))
-        self.fence_progress = self.fence.values(
-            deaths=case((progress, 0), else_=w.c.deaths),
-            republished=case((progress, 0), else_=w.c.republished))
-        if not dialect.is_sqlite:
-            # Fence and upsert in one statement (PostgreSQL allows DML in a top-level WITH):
-            # the checkpoint row is written only if the fencing UPDATE matched.
-            fenced = self.fence_progress.returning(w.c.work_key).cte("fenced")
-            src = select(
-                fenced.c.work_key, bindparam("e", type_=BigInteger), literal(1, BigInteger),
-                bindparam("state_json", type_=Text), now,
-            )
-            up = dialect.insert(c).from_select(
-                ["work_key", "epoch", "seq", "state_json", "updated_at"], src)
-            self.fenced_checkpoint = up.on_conflict_do_update(
-                index_elements=[c.c.work_key],
-                set_={"epoch": up.excluded.epoch, "seq": c.c.seq + 1,
-                      "state_json": up.excluded.state_json, "updated_at": up.excluded.updated_at},
-            ).returning(c.c.seq).add_cte(fenced)
-        fg = t.forgotten
-        # A key's first row starts at epoch 0, or where its forgotten predecessor ended.
-        self.first_epoch = func.coalesce(
-            select(fg.c.epoch).where(fg.c.work_key == bindparam("work_key", type_=String))
-            .scalar_subquery(), 0)
-        ins = dialect.insert(w).values(
-            work_key=bindparam("work_key"), task_name=bindparam("task_name"),
-            task_id=bindparam("task_id"), args_digest=bindparam("args_digest", type_=String),
-            state=RESERVED, epoch=self.first_epoch, owner_node=bindparam("node"),
-            incarnation=bindparam("inc"), owner_pid=None,
-            lease_expires_at=now + bindparam("lease", type_=Float), attempts=0, deaths=0,
-            republished=0, message_json=bindparam("message_json", type_=Text),
-            created_at=now, updated_at=now,
-        )
-        x = ins.excluded
-        # No IN (...) here: expanding parameters cannot be used with executemany.
-        takeable = or_(w.c.state == RESERVED, w.c.state == REQUEUED)
-
-        def when_takeable(new: Any, old: Any) -> Any:
-            return case((takeable, new), else_=old)
-
-        # A reserved or requeued claim becomes reserved by this worker; a running, done,
-        # failed or dead one keeps its state and owner. The exact message is always kept.
-        self.receipt = ins.on_conflict_do_update(
-            index_elements=[w.c.work_key],
-            set_={
-                "owner_node": when_takeable(x.owner_node, w.c.owner_node),
-                "incarnation": when_takeable(x.incarnation, w.c.incarnation),
-                "owner_pid": when_takeable(None, w.c.owner_pid),
-                "lease_expires_at": when_takeable(x.lease_expires_at, w.c.lease_expires_at),
-                "task_id": when_takeable(x.task_id, w.c.task_id),
-                "state": when_takeable(RESERVED, w.c.state),
-                "message_json": func.coalesce(x.message_json, w.c.message_json),
-                "updated_at": x.updated_at,
-            },
-        )
-
-
 class Store:
     """The durable store: claims, checkpoints, steps, ledger, contexts, schedule records."""
 
@@ -325,8 +213,7 @@ class Store:
         self._autocommit = EngineHolder(url, autocommit=True)  # PostgreSQL: single()
         self.dialect = Dialect(make_url(url).get_backend_name())
         self.t = build_tables(table_prefix)
-        self._hot = _Hot(self.t, self.dialect)
-        self._driver_sql: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._hot = HotStatements(self.t, self.dialect)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -422,7 +309,7 @@ class Store:
 
     def fence(self, conn: Connection, work_key: str, epoch: int) -> None:
         """Refuse the transaction unless ``epoch`` still holds the running claim."""
-        res = self._execute_hot(conn, "fence", {"k": work_key, "e": epoch})
+        res = self._hot.run(conn, "fence", {"k": work_key, "e": epoch})
         if res.rowcount != 1:
             raise self._refused(work_key, epoch, "write refused")
 
@@ -644,34 +531,15 @@ class Store:
                    args_digest: str | None, owner: Owner, lease_seconds: float,
                    max_attempts: int, retries: int = 0) -> TakeOutcome | None:
         """The common take in one statement, or None when the careful path must decide."""
-        row = self._execute_hot(conn, "take_fast", {
+        row = self._hot.run(conn, "take_fast", {
             "k": work_key, "max_attempts": max_attempts, "digest": args_digest,
             "node": owner.node, "inc": owner.incarnation, "pid": owner.pid,
             "lease": lease_seconds, "task_id": task_id, "retries": retries,
-        }).first()
+        }).row
         if row is None:
             return None
         return TakeOutcome("run", Claim(work_key, int(row.epoch), int(row.attempts),
                                         int(row.deaths)))
-
-    def _execute_hot(self, conn: Connection, name: str, params: dict[str, Any]) -> Any:
-        """One of the per-task statements (take, fence, checkpoint, finish). On PostgreSQL
-        its SQL is compiled once and sent as it is: SQLAlchemy's per-call cache lookup and
-        parameter processing cost more CPU than the statement's round trip (~0.25 ms per
-        statement), while its pool, error wrapping and invalidation of a broken connection
-        still apply."""
-        statement = getattr(self._hot, name)
-        if self.dialect.is_sqlite:
-            return conn.execute(statement, params)
-        compiled = self._driver_sql.get(name)
-        if compiled is None:
-            c = statement.compile(dialect=conn.dialect)
-            sql = str(c)
-            if "POSTCOMPILE" in sql:  # an expanding IN needs SQLAlchemy at each call
-                raise AssertionError(f"hot statement {name} cannot be precompiled: {sql}")
-            compiled = self._driver_sql[name] = (sql, dict(c.params))
-        sql, defaults = compiled
-        return conn.exec_driver_sql(sql, {**defaults, **params})
 
     @staticmethod
     def _running_elsewhere(
@@ -783,7 +651,7 @@ class Store:
     def _close(self, work_key: str, epoch: int, state: str, result_json: str | None = None,
                error: str | None = None) -> None:
         with self.single() as conn:
-            res = self._execute_hot(conn, "close", {"k": work_key, "e": epoch, "state": state,
+            res = self._hot.run(conn, "close", {"k": work_key, "e": epoch, "state": state,
                                                     "result_json": result_json, "error": error})
         if res.rowcount != 1:
             if state == DONE and self._already_finished(work_key, epoch, result_json):
@@ -1144,12 +1012,11 @@ class Store:
     def save_checkpoint(self, work_key: str, epoch: int, state_json: str) -> int:
         if not self.dialect.is_sqlite:
             with self.single() as conn:
-                seq = self._execute_hot(conn, "fenced_checkpoint",
-                                        {"k": work_key, "e": epoch, "state_json": state_json}
-                                        ).scalar_one_or_none()
-            if seq is None:
+                row = self._hot.run(conn, "fenced_checkpoint",
+                                    {"k": work_key, "e": epoch, "state_json": state_json}).row
+            if row is None:
                 raise self._refused(work_key, epoch, "checkpoint refused")
-            return int(seq)
+            return int(row.seq)
         c = self.t.checkpoints
         now = self.dialect.now()
         ins = self.dialect.insert(c).values(
