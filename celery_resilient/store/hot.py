@@ -154,14 +154,16 @@ class HotStatements:
         CPU than a fenced write's whole round trip (~0.06 ms of ~0.3 ms per statement), while
         its pool still lends the connection, and a driver error is wrapped exactly as
         SQLAlchemy would wrap it (a broken connection invalidated, ``connection_invalidated``
-        set), so :func:`~celery_resilient.store.sql.guarded` treats it the same.
+        set), so :func:`~celery_resilient.store.sql.guarded` treats it the same. An engine
+        with cursor or error event listeners (OpenTelemetry, Sentry, a profiler) gets
+        SQLAlchemy's own execution instead, so its listeners see every statement.
         """
         statement = getattr(self, name)
         if self.dialect.is_sqlite:
             res = conn.execute(statement, params)
             return HotResult(res.rowcount, res.first() if res.returns_rows else None)
         sql, defaults = self._compiled(conn, name, statement)
-        if conn.dialect.driver != "psycopg":
+        if conn.dialect.driver != "psycopg" or _instrumented(conn):
             res = conn.exec_driver_sql(sql, {**defaults, **params})
             return HotResult(res.rowcount, res.first() if res.returns_rows else None)
         return _on_psycopg(conn, sql, {**defaults, **params})
@@ -175,6 +177,12 @@ class HotStatements:
                 raise AssertionError(f"hot statement {name} cannot be precompiled: {sql}")
             compiled = self._driver_sql[name] = (sql, dict(c.params))
         return compiled
+
+
+def _instrumented(conn: Connection) -> bool:
+    """Whether someone listens to this engine's statements or errors (cheap: list checks)."""
+    return bool(conn.dispatch.before_cursor_execute or conn.dispatch.after_cursor_execute
+                or conn.dialect.dispatch.handle_error)
 
 
 def _on_psycopg(conn: Connection, sql: str, params: dict[str, Any]) -> HotResult:
