@@ -11,8 +11,9 @@ Runs the existing benchmark scripts as subprocesses (each prints a markdown tabl
     python benchmarks/report.py [--quick] [--out benchmarks/out]
 
 ``--quick`` uses small sizes (checkpoint latency with 1k and 100k rows, fewer tasks and
-samples, a 20 s recovery cap): a smoke run of a few minutes. The full run
-takes ~10 minutes. A benchmark that fails is reported as failed; the others still run.
+samples, a 20 s recovery cap, 1k/100k units stored, 1-16 store processes): a smoke run of a
+few minutes. The full run (10 million units stored, 1-64 store processes) takes ~25 minutes.
+A benchmark that fails is reported as failed; the others still run.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ FULL: dict[str, list[str]] = {
     "recovery": [],
     "beat": ["--slots", "10000"],
     "context": [],
+    "checkpoint_breakdown": [],
+    "store_size": ["--sizes", "1000,10000000"],
+    "store_load": [],
 }
 QUICK: dict[str, list[str]] = {
     "throughput": ["--tasks", "400", "--reps", "2", "--warmup", "100"],
@@ -47,6 +51,9 @@ QUICK: dict[str, list[str]] = {
     "recovery": ["--cap", "20"],
     "beat": ["--slots", "10000"],  # ~10 s: the real size even in a smoke run
     "context": ["--samples", "500", "--warmup", "100"],
+    "checkpoint_breakdown": ["--samples", "500"],
+    "store_size": ["--quick"],
+    "store_load": ["--quick"],
 }
 SCRIPTS = {
     "throughput": "throughput.py",
@@ -55,6 +62,9 @@ SCRIPTS = {
     "recovery": "recovery_time.py",
     "beat": "beat_catchup.py",
     "context": "context_latency.py",
+    "checkpoint_breakdown": "checkpoint_breakdown.py",
+    "store_size": "store_size.py",
+    "store_load": "store_load.py",
 }
 TITLES = {
     "throughput": "Throughput, trivial tasks",
@@ -63,6 +73,9 @@ TITLES = {
     "recovery": "Time from SIGKILL + restart to the killed task running again",
     "beat": "Beat catch-up",
     "context": "Context get/put latency",
+    "checkpoint_breakdown": "Checkpoint save against a raw fenced UPDATE + commit",
+    "store_size": "Flat at size: few vs many finished units stored",
+    "store_load": "Many workers on one store",
 }
 
 
@@ -143,8 +156,9 @@ def throughput_rows(res: Result, label: str) -> list[list[str]]:
             continue
         rows.append([f"{label} throughput, tasks/s ({r['store']} store)",
                      r["median tasks/s"], plain["median tasks/s"],
-                     r["ratio ours/plain (medians)"], "ours/plain, target >= 0.9"
-                     if label == "trivial-task" else "ours/plain"])
+                     r["ratio ours/plain (medians)"],
+                     "ours/plain, target >= 0.8 (issue 13)" if label == "trivial-task"
+                     else "ours/plain, target >= 0.95 (issue 13)"])
     return rows
 
 
@@ -237,6 +251,38 @@ def context_rows(res: Result) -> list[list[str]]:
     return rows
 
 
+def table_with(res: Result, column: str) -> list[Row]:
+    """The output's last table that has ``column`` (a script may print several)."""
+    return next((t for t in reversed(res.tables) if t and column in t[0]), [])
+
+
+def breakdown_rows(res: Result) -> list[list[str]]:
+    table = table_with(res, "p50 ms")
+    ours = next(r for r in table if r["PostgreSQL checkpoint save"].startswith("as shipped"))
+    raw = next(r for r in table if r["PostgreSQL checkpoint save"].startswith("raw fenced"))
+    return [["checkpoint save p50 ms (PostgreSQL)", ours["p50 ms"],
+             f"{raw['p50 ms']} (raw fenced UPDATE + commit)",
+             ratio(num(ours["p50 ms"]), num(raw["p50 ms"])), "target <= 1.5 (issue 13)"]]
+
+
+def size_rows(res: Result) -> list[list[str]]:
+    table = table_with(res, "ratio p50 big/small")
+    small, big = [k for k in table[0] if k.endswith(": p50 / p99 ms")][:2]
+    return [[f"{r['operation']} p50 / p99 ms, {big.split(':')[0]} units stored",
+             r[big], f"{r[small]} (at {small.split(':')[0]} units)", r["ratio p50 big/small"],
+             "flat: target <= 1.2"]
+            for r in table if r["operation"] in ("take", "checkpoint save", "finish")]
+
+
+def load_rows(res: Result) -> list[list[str]]:
+    table = table_with(res, "units/s")
+    one = next((r for r in table if r["procs"] == "1"), None)
+    return [[f"store hot path, {r['procs']} concurrent processes: units/s (take p50 / p99 ms)",
+             f"{r['units/s']} ({r['take']})",
+             f"{one['units/s']} (1 process)" if one else "-", r["per-proc efficiency"],
+             "per-process efficiency against 1 process"] for r in table]
+
+
 # --- report ---------------------------------------------------------------------------------
 
 def summary(results: dict[str, Result], cap: float) -> str:
@@ -247,6 +293,9 @@ def summary(results: dict[str, Result], cap: float) -> str:
         "recovery": lambda r: recovery_rows(r, cap),
         "beat": beat_rows,
         "context": context_rows,
+        "checkpoint_breakdown": breakdown_rows,
+        "store_size": size_rows,
+        "store_load": load_rows,
     }
     rows: list[list[str]] = []
     for name, build in builders.items():
@@ -259,7 +308,7 @@ def summary(results: dict[str, Result], cap: float) -> str:
             continue
         try:
             rows.extend(build(res))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, StopIteration) as exc:
             rows.append([TITLES[name], f"could not parse output ({exc!r})", "", "", ""])
     return markdown_table(["figure", "celery-resilient", "plain Celery (same run)", "ratio",
                            "note"], rows)
