@@ -585,9 +585,10 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         if clock >= self._next_sync:
             self._next_sync = clock + SYNC_EVERY
             self._sync_new_entries()
-        if clock >= self._next_prune:
+        retention = self.resilient.config.beat_run_retention
+        if clock >= self._next_prune and retention is not None:  # None: kept for ever
             self._next_prune = clock + PRUNE_EVERY
-            pruned = self.slots.prune(self.resilient.config.beat_run_retention)
+            pruned = self.slots.prune(retention)
             if pruned:
                 log.info("beat: pruned %d old slot records", pruned,
                          extra={"action": "pruned", "count": pruned})

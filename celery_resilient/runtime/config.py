@@ -24,7 +24,8 @@ _TABLE_PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 CATCHUP_POLICIES = ("all", "latest", "skip")
 SHUTDOWN_MODES = ("hand_off", "drain")
 #: Retention settings whose default is a duration and that ``None``, set explicitly, disables.
-NONE_DISABLES = ("work_retention", "ledger_retention", "worker_row_retention")
+NONE_DISABLES = ("work_retention", "ledger_retention", "worker_row_retention",
+                 "beat_run_retention")
 
 
 def default_store_url(conf: Mapping[str, Any] | None = None) -> str:
@@ -76,7 +77,7 @@ class ResilientConfig:
     catchup_max_slots: int = 1000
     catchup_deadline: float | None = None
     catchup_grace: float = 30.0
-    beat_run_retention: float = 604_800.0
+    beat_run_retention: float | None = 604_800.0
     context_cache_url: str | None = None
     context_cache_ttl: float = 86_400.0
     context_cache_size: int = 10_000
@@ -124,8 +125,13 @@ class ResilientConfig:
             key = PREFIX + f.name
             value = conf.get(key)
             if value is None:
-                if f.name in NONE_DISABLES and key in conf:
-                    values[f.name] = None  # set to None: keep those rows for ever
+                if key not in conf or f.default is None:
+                    continue
+                if f.name not in NONE_DISABLES:
+                    raise ConfigurationError(
+                        f"{key}=None is invalid: leave it unset for its default "
+                        f"({f.default!r}) or give a value")
+                values[f.name] = None  # set to None: keep those rows for ever
                 continue
             values[f.name] = _coerce(key, value, _CHECKS.get(f.name))
         config = cls(**values)
@@ -168,7 +174,7 @@ class ResilientConfig:
                       "memory:// for an in-process cache")
         if self.context_retention is not None and self.context_retention <= 0:
             raise bad("context_retention", "must be a positive number of seconds or None")
-        for name in ("catchup_grace", "beat_run_retention", "prune_interval"):
+        for name in ("catchup_grace", "prune_interval"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be a positive number of seconds")
         for name in NONE_DISABLES:

@@ -9,6 +9,7 @@ cannot slip in between the check and the write; on SQLite ``BEGIN IMMEDIATE`` se
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +30,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, StatementError
 from sqlalchemy.sql.elements import ColumnElement
 
 from celery_resilient.core.identity import EAGER_SUFFIX, Owner
@@ -46,7 +47,13 @@ from celery_resilient.core.states import (
     RUNNING,
     STOPPED_STATES,
 )
-from celery_resilient.errors import StaleClaimError, StoreUnavailable, WorkKeyConflict, WorkStopped
+from celery_resilient.errors import (
+    ResilientError,
+    StaleClaimError,
+    StoreUnavailable,
+    WorkKeyConflict,
+    WorkStopped,
+)
 from celery_resilient.store import migrate, transient
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
@@ -102,6 +109,15 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                             "unavailable" if transient.is_transient(exc) else "unreachable")
                     raise StoreUnavailable(f"store {what} during {op} "
                                            f"({transient.describe(exc)}): {exc.orig}") from exc
+                except StatementError as exc:
+                    # SQLAlchemy wraps what interrupted its own code mid-statement (Celery's
+                    # SoftTimeLimitExceeded, raised from a signal handler): the task must see
+                    # that exception itself, as its handlers expect.
+                    orig = exc.orig
+                    if isinstance(orig, BaseException) and \
+                            not type(orig).__module__.startswith("sqlalchemy"):
+                        raise orig from None
+                    raise
 
     return wrapper
 
@@ -203,6 +219,27 @@ class WorkInfo:
 
 
 
+def _server_gone(exc: BaseException) -> bool:
+    """The connection answered as a server that went away or is read-only (a standby during
+    a failover): the next attempt needs a fresh connection."""
+    return isinstance(exc, DBAPIError) and transient.sqlstate(exc) in transient.LOST_SQLSTATES
+
+
+def _unknown_state(exc: BaseException) -> bool:
+    """Whether a connection that raised ``exc`` may be unfit for the next user: interrupted
+    outside the driver's error handling (a soft time limit, SIGUSR1), or :func:`_server_gone`."""
+    if not isinstance(exc, DBAPIError):
+        return not isinstance(exc, ResilientError)  # our own refusals come after the statement
+    return _server_gone(exc)
+
+
+def _drop(conn: Connection) -> None:
+    """Invalidate ``conn`` (its pool opens a fresh one next time), whatever state it is in."""
+    if not conn.invalidated:
+        with contextlib.suppress(Exception):
+            conn.invalidate()
+
+
 class Store:
     """The durable store: claims, checkpoints, steps, ledger, contexts, schedule records."""
 
@@ -257,7 +294,14 @@ class Store:
                 yield conn
             return
         with self._autocommit.get().connect() as conn:  # connections stay in autocommit
-            yield conn
+            try:
+                yield conn
+            except BaseException as exc:
+                # Nothing resets these connections on return to the pool, so one that an
+                # interrupt (a soft time limit) left mid-statement must not go back to it.
+                if _unknown_state(exc):
+                    _drop(conn)
+                raise
 
     @contextmanager
     def begin(self) -> Iterator[Connection]:
@@ -272,8 +316,17 @@ class Store:
         with conn:
             try:
                 yield conn
-            except BaseException:
-                conn.rollback()
+            except BaseException as exc:
+                try:
+                    conn.rollback()
+                except DBAPIError:
+                    # Interrupted mid-statement (a soft time limit: "another command is
+                    # already in progress"): drop the connection; the error that stopped
+                    # the transaction is what the caller must see, not the rollback's.
+                    _drop(conn)
+                    raise exc from None
+                if _server_gone(exc):
+                    _drop(conn)
                 raise
             try:
                 conn.commit()

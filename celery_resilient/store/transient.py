@@ -16,6 +16,9 @@ PostgreSQL, by SQLSTATE (``exc.orig.sqlstate`` on psycopg 3, ``pgcode`` on psyco
   its open transaction is rolled back and a new connection works once the server is back.
 - ``25P03`` idle-in-transaction session timeout: the server closed a session that sat too long
   in an open transaction, rolling it back; a fresh session is fine.
+- ``25006`` read-only SQL transaction: the connection reached a server that does not take
+  writes now (a hot standby, or the old primary while a failover promotes another); nothing was
+  written, and a fresh connection reaches the writable primary once it is there.
 - class ``08`` connection exceptions, and any error SQLAlchemy flagged ``connection_invalidated``
   (the socket dropped mid-transaction): the transaction never committed, unless the drop came
   during COMMIT, where the outcome is unknown (``Store.begin`` never re-runs that).
@@ -50,6 +53,7 @@ LOST_SQLSTATES = {
     "57P02": "crash shutdown",
     "57P03": "server cannot accept connections now",
     "25P03": "idle-in-transaction session timeout",
+    "25006": "read-only transaction (a standby, or a failover under way)",
 }
 SQLITE_RETRYABLE = ("SQLITE_BUSY", "SQLITE_LOCKED")
 SQLITE_MESSAGES = ("database is locked", "database table is locked", "database schema is locked")

@@ -1,8 +1,8 @@
 """``Maintainer``: the worker's background thread for everything but the lease.
 
-It flushes receipts and outcomes, copies revokes, releases claims that run nowhere, sweeps
-orphans, and prunes what retention no longer keeps (:mod:`.pruner`), so a slow or
-unreachable store or broker never stalls message consumption.
+It flushes receipts and outcomes, copies revokes, releases claims that run nowhere and sweeps
+orphans, so a slow or unreachable store or broker never stalls message consumption. It starts
+and stops the pruning thread beside it (:mod:`.pruner`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def executing_task_ids() -> frozenset[str] | None:
 
 
 class Maintainer(threading.Thread):
-    """Flushes receipts and outcomes, releases dead claims, sweeps orphans and prunes old
-    rows (in bounded turns, :class:`~celery_resilient.worker.pruner.Pruner`), until stopped."""
+    """Flushes receipts and outcomes, releases dead claims and sweeps orphans until stopped;
+    retention runs beside it on :class:`~celery_resilient.worker.pruner.PruneThread`."""
 
     def __init__(self, rt: Runtime, owner: Owner, keeper: LeaseKeeper | None = None,
                  gate: ConsumptionGate | None = None) -> None:
@@ -54,11 +54,29 @@ class Maintainer(threading.Thread):
         self._stop_event = threading.Event()
         self.rounds = 0
         self.revokes = RevokeWatcher()
-        #: Set at warm shutdown: no more sweeps (this worker is leaving).
-        self.draining = False
         #: Monotonic time of the last failed round (None: none yet).
         self.last_failure: float | None = None
-        self.pruner = pruner.Pruner(rt)
+        self.pruning = pruner.PruneThread(rt)
+        self.pruner = self.pruning.pruner
+        self._draining = False
+
+    @property
+    def draining(self) -> bool:
+        """Set at warm shutdown: no more sweeps or prunes (this worker is leaving)."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = self.pruning.draining = value
+
+    def start(self) -> None:
+        super().start()
+        self.pruning.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.pruning.is_alive():
+            self.pruning.join(timeout)
 
     def flush_receipts(self) -> int:
         """Write every buffered delivery in one statement.
@@ -132,14 +150,10 @@ class Maintainer(threading.Thread):
                         recovery.sweep(self.rt, self.owner, self.judge_leases())
                     next_sweep = now + cfg.sweep_interval
                     self.rounds += 1
-                if not self.draining and self.pruner.due(time.monotonic()):
-                    self.pruner.turn()
                 failures = 0
                 if self.gate is not None:
                     self.gate.store_up()
                 wait = max(0.0, next_sweep - time.monotonic())
-                if self.pruner.busy:
-                    wait = min(wait, pruner.PRUNE_CONTINUE_SECONDS)
             except StoreUnavailable as exc:
                 failures += 1
                 self.last_failure = time.monotonic()
@@ -162,4 +176,5 @@ class Maintainer(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+        self.pruning.stop()
         self.rt.receipts.arrived.set()

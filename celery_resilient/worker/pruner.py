@@ -1,9 +1,16 @@
-"""``Pruner``: automatic retention, run by the maintainer thread in bounded turns."""
+"""Automatic retention: ``Pruner`` deletes in bounded turns; ``PruneThread`` runs it.
+
+Pruning has a thread of its own: a prune batch never delays the receipts, outcomes and sweeps
+of the maintainer (a receipt written late widens the window in which a SIGKILL leaves a
+prefetched message to the broker's own redelivery), and a prune that fails never pauses task
+consumption (only the maintainer's and the lease's own duties judge a store outage).
+"""
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,17 +18,21 @@ from dataclasses import dataclass
 from celery_resilient import signals
 from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.store import retention
+from celery_resilient.store import retention, transient
 from celery_resilient.tasks import context
+from celery_resilient.worker.lease import backoff
 
 log = logging.getLogger(__name__)
 
-#: The time after which a maintainer turn stops pruning (it deletes at least one batch, so the
-#: longest turn is this plus one batch); a round with more to delete goes on at the next
-#: turn, after the receipts, outcomes, revokes and sweep of that turn.
+#: The time after which a turn stops pruning (it deletes at least one batch, so the longest
+#: turn is this plus one batch); a round with more to delete goes on at the next turn.
 PRUNE_TURN_SECONDS = 0.5
 #: The longest pause between two turns of a round that has more to delete.
 PRUNE_CONTINUE_SECONDS = 0.1
+#: A prune batch the server cancelled (``statement_timeout``, SQLSTATE 57014) is tried again
+#: at half its size, down to this many rows.
+MIN_PRUNE_BATCH = 10
+QUERY_CANCELED = "57014"
 
 
 @dataclass
@@ -34,13 +45,13 @@ class _Job:
 
 
 class Pruner:
-    """Automatic retention, run by the maintainer in bounded turns.
+    """Automatic retention, in bounded turns (run by :class:`PruneThread`).
 
     A round starts every ``resilient_prune_interval`` (jittered, so the workers of a fleet
     spread their rounds; the first within one interval of the start); it takes the cutoffs
     once from the database's clock and deletes one batch per table in turn, round-robin,
     until every table's batch comes back short. A turn stops after
-    :data:`PRUNE_TURN_SECONDS`, so the maintainer's other duties never wait behind a backlog.
+    :data:`PRUNE_TURN_SECONDS`, so a stop or a drain never waits behind a backlog.
     Deletes are idempotent: several workers pruning at once skip each other's rows.
     """
 
@@ -51,6 +62,8 @@ class Pruner:
         self.totals: dict[str, int] = {}
         self.rounds = 0
         self._round_started = 0.0
+        #: Rows per delete; halved while the server cancels batches for a statement timeout.
+        self.batch = rt.config.prune_batch
 
     @property
     def busy(self) -> bool:
@@ -89,16 +102,16 @@ class Pruner:
         """One bounded turn: start a round if none is under way, delete batches until the
         round ends or :data:`PRUNE_TURN_SECONDS` passed. Returns the rows deleted, by table.
 
-        :class:`StoreUnavailable` propagates (the maintainer backs off; the round goes on
-        after it). Any other error is logged and ends the round: the next one starts after
-        an interval, and the maintainer's other duties are not held back.
+        :class:`StoreUnavailable` propagates (the thread backs off; the round goes on after
+        it; a batch the server cancelled for a statement timeout is halved first). Any other
+        error is logged and ends the round: the next one starts after an interval.
         """
         started = time.monotonic()
         deleted: dict[str, int] = {}
         try:
             if not self.jobs:
                 self.start_round()
-            batch = self.rt.config.prune_batch
+            batch = self.batch
             while self.jobs:  # at least one batch a turn, then until the time is spent
                 job = self.jobs[0]
                 counts = job.delete(job.cutoff, batch)  # StoreUnavailable: the job stays
@@ -113,7 +126,13 @@ class Pruner:
                     self.jobs.append(job)  # full: there may be more, after the others
                 if time.monotonic() - started >= PRUNE_TURN_SECONDS:
                     break
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            if transient.sqlstate(exc.__cause__ or exc) == QUERY_CANCELED and \
+                    self.batch > MIN_PRUNE_BATCH:
+                self.batch = max(MIN_PRUNE_BATCH, self.batch // 2)
+                log.warning("prune batch cancelled by the server (statement timeout); "
+                            "deleting %d rows at a time from now on", self.batch,
+                            extra={"action": "prune_batch_halved", "count": self.batch})
             raise
         except Exception:
             log.exception("prune round failed; the next one starts in about %.0fs",
@@ -158,3 +177,34 @@ class Pruner:
         if keys:  # the app's context cache (Redis or in-process) must not serve them
             context.for_app(self.rt.app).invalidate(keys)
         return {"contexts": len(keys)}
+
+
+class PruneThread(threading.Thread):
+    """Runs the :class:`Pruner`'s turns until stopped; paused while the worker drains."""
+
+    def __init__(self, rt: Runtime) -> None:
+        super().__init__(name="celery-resilient-pruner", daemon=True)
+        self.rt = rt
+        self.pruner = Pruner(rt)
+        self.draining = False
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        failures = 0
+        while not self._stop_event.is_set():
+            wait = 1.0  # the longest sleep: a stop or a due round is noticed within it
+            if not self.draining and self.pruner.due(time.monotonic()):
+                try:
+                    self.pruner.turn()
+                    failures = 0
+                    if self.pruner.busy:
+                        wait = PRUNE_CONTINUE_SECONDS
+                except StoreUnavailable as exc:
+                    failures += 1
+                    wait = backoff(self.rt, failures, self.rt.config.prune_interval)
+                    log.warning("prune turn failed (%s); retrying in %.1fs", exc, wait,
+                                extra={"action": "prune_retry"})
+            self._stop_event.wait(wait)
+
+    def stop(self) -> None:
+        self._stop_event.set()

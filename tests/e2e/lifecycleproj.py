@@ -179,6 +179,19 @@ def _stops_and_limits(task: Define, ran: Ran) -> None:
         time.sleep(20)  # SoftTimeLimitExceeded is raised in here after 1 s
         return "not reached"
 
+    @task("soft_limit_in_store", soft_time_limit=1)
+    def soft_limit_in_store(self: ResumableTask, use_steps: bool) -> str:
+        """Checkpoints (or steps) in a tight loop: its soft limit most likely lands while a
+        store statement waits for the server."""
+        ran(self)
+        i = 0
+        while True:
+            i += 1
+            if use_steps:
+                self.step(f"s{i}", lambda n=i: n)
+            else:
+                self.checkpoint.save({"i": i})
+
     @task("hard_limit", time_limit=2)
     def hard_limit(self: ResumableTask) -> str:
         ran(self)

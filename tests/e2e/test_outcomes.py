@@ -483,6 +483,29 @@ def test_soft_time_limit(make_lab: Callable[..., Lab]) -> None:
     assert row.error.startswith("SoftTimeLimitExceeded")
 
 
+def test_soft_limits_inside_store_calls_fail_once_and_the_process_goes_on(
+        make_lab: Callable[..., Lab]) -> None:
+    """Four tasks on one pool process hit their soft limit in a loop of checkpoint saves or
+    steps, i.e. mostly while a statement waits for PostgreSQL. Each fails once with
+    SoftTimeLimitExceeded (never a store outage that re-sends it), and the same process then
+    runs ordinary tasks: no connection was left broken."""
+    lab = make_lab()
+    worker = lab.worker()
+    limited = [lab.send("soft_limit_in_store", use_steps) for use_steps in
+               (False, True, False, True)]
+    after = [lab.send("succeed", n) for n in range(3)]
+    for task_id in limited:
+        lab.settle(task_id, worker, "failed", "FAILURE")
+        assert lab.runs(task_id) == 1, lab.describe(task_id)
+        assert _error(lab.meta(task_id)) == "SoftTimeLimitExceeded"
+    for task_id in after:
+        lab.settle(task_id, worker, "done", "SUCCESS")
+    assert "re-sent" not in worker.process.logs()
+    assert "another command is already in progress" not in worker.process.all_logs()
+    lab.holds(limited[-1], worker, "failed", "FAILURE", runs=1)
+    assert all(lab.runs(task_id) == 1 for task_id in limited + after)
+
+
 def test_hard_time_limit_fails_once_and_is_never_rerun(make_lab: Callable[..., Lab]) -> None:
     lab = make_lab()
     worker = lab.worker()

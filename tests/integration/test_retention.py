@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import func, insert, select
+from sqlalchemy import create_engine, func, insert, select, text
+from sqlalchemy.exc import DBAPIError
 
 from celery_resilient import Resilient, signals
 from celery_resilient.core.identity import Owner
@@ -305,6 +306,46 @@ def _unavailable(*_: Any, **__: Any) -> Any:
     raise StoreUnavailable("store unreachable during delete_finished_work (test)")
 
 
+def test_a_batch_the_server_cancels_for_a_statement_timeout_is_halved(
+        resilient: Resilient, monkeypatch: pytest.MonkeyPatch, pg_url: str) -> None:
+    """A ``statement_timeout`` shorter than one batch: the batch shrinks until it fits,
+    instead of the same batch failing every turn for ever."""
+    store = resilient.store
+    fill(store)
+    real = retention.delete_finished_work
+    sizes: list[int] = []
+    timeout = create_engine(pg_url, connect_args={"options": "-c statement_timeout=10"})
+
+    def slow_unless_small(st: Store, cutoff: float, batch: int) -> Any:
+        sizes.append(batch)
+        if batch > 30:  # a real cancellation by the server (SQLSTATE 57014)
+            try:
+                with timeout.connect() as conn:
+                    conn.execute(text("SELECT pg_sleep(1)"))
+            except DBAPIError as exc:
+                raise StoreUnavailable("store unreachable during delete_finished_work "
+                                       f"({exc.orig})") from exc
+        return real(st, cutoff, batch)
+
+    monkeypatch.setattr(retention, "delete_finished_work", slow_unless_small)
+    pruner = Pruner(resilient)
+    assert pruner.batch == 4  # resilient_prune_batch
+    pruner.batch = 200  # as if it were set to 200
+    try:
+        for _ in range(10):
+            try:
+                pruner.turn()
+            except StoreUnavailable:
+                continue
+            if not pruner.busy:
+                break
+    finally:
+        timeout.dispose()
+    assert sizes[:4] == [200, 100, 50, 25] and pruner.batch == 25
+    assert pruner.rounds == 1
+    assert_pruned(store)
+
+
 def test_any_other_error_ends_the_round_without_raising(
         resilient: Resilient, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -340,10 +381,25 @@ def test_nothing_is_pruned_when_every_retention_is_off(store_url: str,
         rt.store.dispose()
 
 
+class _Gate:
+    """Records what the maintainer tells the consumption gate (a real gate needs a worker)."""
+
+    def __init__(self) -> None:
+        self.downs: list[str] = []
+
+    def store_down(self, why: str) -> None:
+        self.downs.append(why)
+
+    def store_up(self) -> None:
+        return None
+
+
 def test_a_real_maintainer_prunes_and_survives_a_store_outage(
         resilient: Resilient, pruned: list[tuple[str, int]], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """The maintainer thread prunes on its own; a failed prune round does not stop it."""
+    """The pruning thread beside the maintainer prunes on its own; a failed prune turn is
+    retried after a backoff and never pauses consumption nor counts as the maintainer's
+    outage (its receipts and sweeps went on meanwhile)."""
     store = resilient.store
     fill(store)
     real = retention.delete_finished_work
@@ -356,22 +412,24 @@ def test_a_real_maintainer_prunes_and_survives_a_store_outage(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(retention, "delete_finished_work", flaky)
-    maint = Maintainer(resilient, Owner("ret@host", "inc-ret", os.getpid()))
+    gate = _Gate()
+    maint = Maintainer(resilient, Owner("ret@host", "inc-ret", os.getpid()),
+                       gate=gate)  # type: ignore[arg-type]
     with caplog.at_level(logging.INFO, logger="celery_resilient.worker"):  # maintainer, pruner
         maint.start()
         try:
             wait_for(lambda: len(failures) == 2, 10, "two failed prune turns")
             wait_for(lambda: maint.pruner.rounds >= 1 and not maint.pruner.busy, 30,
                      "a completed prune round after the outage")
-            assert maint.is_alive()
+            assert maint.is_alive() and maint.pruning.is_alive()
         finally:
             maint.stop()
             maint.join(10)
-    assert not maint.is_alive()
+    assert not maint.is_alive() and not maint.pruning.is_alive()
     assert_pruned(store)
-    assert maint.last_failure is not None  # the outage was seen like any other duty's
+    assert gate.downs == [] and maint.last_failure is None
     assert ("work", 4) in pruned
     actions = [getattr(r, "action", None) for r in caplog.records]
-    assert "store_retry" in actions
+    assert actions.count("prune_retry") == 2
     line = next(r for r in caplog.records if getattr(r, "action", None) == "pruned")
     assert line.tables["work"] == 10  # type: ignore[attr-defined]

@@ -32,7 +32,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, StatementError
 
 from celery_resilient.core import codec
 from celery_resilient.errors import StoreUnavailable
@@ -42,7 +42,7 @@ from celery_resilient.store.sql import Store, guarded
 from celery_resilient.tasks.ledger import Ledger
 from celery_resilient.testing import wait_for
 
-from .helpers import execution, owner, run
+from .helpers import execution, owner, run, take
 
 pytestmark = pytest.mark.postgres
 #: libpq options: every transaction of this store's connections is SERIALIZABLE (as a site
@@ -190,6 +190,40 @@ def test_non_transient_errors_are_not_classified_transient(pg_store: Store) -> N
     assert transient.sqlstate(caught.value) == "23505"
     assert not transient.is_transient(caught.value)
     assert not transient.is_transient(ValueError("a bug"))
+
+
+READ_ONLY = "?options=-c%20default_transaction_read_only%3Don"
+
+
+def test_a_read_only_server_is_an_outage_not_the_tasks_failure(
+        pg_url: str, table_prefix: str, pg_store: Store) -> None:
+    """What a client sees for a moment during a failover (it reached a standby): SQLSTATE
+    25006. The take must not fail the task (its message would be acked and the work lost):
+    it is an outage, the task is re-sent and runs once the primary takes writes."""
+    read_only = Store(pg_url + READ_ONLY, table_prefix)
+    try:
+        with pytest.raises(StoreUnavailable, match=r"read-only transaction.*25006") as caught:
+            take(read_only, "k", owner())
+        assert transient.is_transient(caught.value.__cause__)
+        assert pg_store.get_work("k") is None  # nothing was written
+    finally:
+        read_only.dispose()
+    assert run(pg_store, "k", owner()).epoch == 1  # the writable server takes it
+
+
+def test_an_interrupt_wrapped_by_sqlalchemy_reaches_the_caller_unchanged() -> None:
+    """SQLAlchemy wraps an exception raised inside its own code while it prepares a
+    statement (a soft time limit landing there) in ``StatementError``; a store call re-raises
+    the interrupt itself, which is what the task's handlers catch."""
+    class SoftLimit(Exception):
+        pass
+
+    @guarded
+    def call() -> None:
+        raise StatementError("interrupted", "SELECT 1", {}, SoftLimit("soft time limit"))
+
+    with pytest.raises(SoftLimit):
+        call()
 
 
 # -- ledger.atomic on PostgreSQL: the block cannot be re-run in place ---------------------------

@@ -210,6 +210,18 @@ def test_retention_defaults_and_none_disables() -> None:
     assert ResilientConfig.from_mapping(app.conf).worker_row_retention is None
 
 
+def test_none_keeps_beat_runs_and_is_refused_where_it_means_nothing() -> None:
+    base = {"resilient_store_url": "sqlite:///x.db"}
+    assert ResilientConfig.from_mapping(
+        {**base, "resilient_beat_run_retention": None}).beat_run_retention is None
+    for key in ("resilient_prune_interval", "resilient_lease_seconds", "resilient_prune_batch"):
+        with pytest.raises(ConfigurationError, match=rf"{key}=None is invalid: leave it unset"):
+            ResilientConfig.from_mapping({**base, key: None})
+    # a setting whose default is None takes None
+    assert ResilientConfig.from_mapping(
+        {**base, "resilient_context_retention": None}).context_retention is None
+
+
 def test_ledger_retention_must_cover_the_work_retention() -> None:
     base = {"resilient_store_url": "sqlite:///x.db", "resilient_work_retention": 86_400}
     assert ResilientConfig.from_mapping(
