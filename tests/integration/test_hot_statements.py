@@ -5,11 +5,10 @@ error reporting) seeing every statement."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import DataError, DBAPIError
 
 from celery_resilient.core import codec
@@ -19,27 +18,21 @@ from celery_resilient.store.sql import Store
 from .helpers import owner, run
 
 
-@pytest.fixture
-def pg_store(pg_url: str, table_prefix: str) -> Iterator[Store]:
-    s = Store(pg_url, table_prefix)
-    s.migrate()
-    yield s
-    s.dispose()
-
-
-@pytest.fixture
-def other(pg_url: str) -> Iterator[Engine]:
-    engine = create_engine(pg_url)
-    yield engine
-    engine.dispose()
-
-
 def _backend_pids(store: Store) -> set[int]:
     """The backends of the store's autocommit pool (the connections hot statements use)."""
     autocommit = store.engines[1]
     with autocommit.connect() as conn:
         assert not _instrumented(conn), "a listener would send hot statements through SQLAlchemy"
         return {int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())}
+
+
+def _terminate_backends(store: Store, other: Engine) -> set[int]:
+    """Kill the server side of the store's pooled autocommit connections; their pids."""
+    pids = _backend_pids(store)
+    with other.begin() as conn:
+        conn.execute(text("SELECT pg_terminate_backend(p) FROM unnest(CAST(:ps AS int[])) p"),
+                     {"ps": sorted(pids)})
+    return pids
 
 
 def _fence_with(store: Store, epoch: Any) -> None:
@@ -65,10 +58,7 @@ def test_a_driver_error_is_the_class_sqlalchemy_would_raise(pg_store: Store) -> 
 def test_a_killed_backend_is_invalidated_and_the_take_and_finish_run_on_a_fresh_one(
         pg_store: Store, other: Engine) -> None:
     claim = run(pg_store, "k", owner())
-    before = _backend_pids(pg_store)
-    with other.begin() as conn:
-        conn.execute(text("SELECT pg_terminate_backend(p) FROM unnest(CAST(:ps AS int[])) p"),
-                     {"ps": sorted(before)})
+    before = _terminate_backends(pg_store, other)
     pg_store.save_checkpoint("k", claim.epoch, codec.encode({"row": 1}))  # retried once
     pg_store.finish("k", claim.epoch, codec.encode("ok"))
     assert _backend_pids(pg_store).isdisjoint(before)
@@ -79,10 +69,7 @@ def test_a_killed_backend_is_invalidated_and_the_take_and_finish_run_on_a_fresh_
 def test_a_dead_connection_raises_the_wrapped_error_with_invalidation(
         pg_store: Store, other: Engine) -> None:
     claim = run(pg_store, "k", owner())
-    before = _backend_pids(pg_store)
-    with other.begin() as conn:
-        conn.execute(text("SELECT pg_terminate_backend(p) FROM unnest(CAST(:ps AS int[])) p"),
-                     {"ps": sorted(before)})
+    before = _terminate_backends(pg_store, other)
     with pytest.raises(DBAPIError) as failed:
         _fence_with(pg_store, claim.epoch)  # unguarded: the raw wrapped error
     assert failed.value.connection_invalidated is True

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 import pytest
-from sqlalchemy import Engine, create_engine, select, text
+from sqlalchemy import Engine, select, text
 
 from celery_resilient.core import codec
 from celery_resilient.store.sql import Store
@@ -24,21 +24,6 @@ from .helpers import owner, run
 
 class Interrupted(Exception):
     """Stands for billiard's SoftTimeLimitExceeded (also a plain Exception subclass)."""
-
-
-@pytest.fixture
-def pg_store(pg_url: str, table_prefix: str) -> Iterator[Store]:
-    s = Store(pg_url, table_prefix)
-    s.migrate()
-    yield s
-    s.dispose()
-
-
-@pytest.fixture
-def other(pg_url: str) -> Iterator[Engine]:
-    engine = create_engine(pg_url)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture

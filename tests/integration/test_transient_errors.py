@@ -55,27 +55,11 @@ DEADLINE = 30.0
 
 
 @pytest.fixture
-def pg_store(pg_url: str, table_prefix: str) -> Iterator[Store]:
-    s = Store(pg_url, table_prefix)
-    s.migrate()
-    yield s
-    s.dispose()
-
-
-@pytest.fixture
 def serial_store(pg_url: str, table_prefix: str, pg_store: Store) -> Iterator[Store]:
     """The same tables as ``pg_store``, through connections that run SERIALIZABLE."""
     s = Store(pg_url + SERIALIZABLE, table_prefix)
     yield s
     s.dispose()
-
-
-@pytest.fixture
-def other(pg_url: str) -> Iterator[Engine]:
-    """Connections of a concurrent client (another worker, the user's own application)."""
-    engine = create_engine(pg_url)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture
