@@ -210,14 +210,14 @@ def test_retention_defaults_and_none_disables() -> None:
     assert ResilientConfig.from_mapping(app.conf).worker_row_retention is None
 
 
-def test_none_keeps_beat_runs_and_is_refused_where_it_means_nothing() -> None:
+def test_none_keeps_beat_runs_and_means_the_default_elsewhere() -> None:
     base = {"resilient_store_url": "sqlite:///x.db"}
     assert ResilientConfig.from_mapping(
         {**base, "resilient_beat_run_retention": None}).beat_run_retention is None
-    for key in ("resilient_prune_interval", "resilient_lease_seconds", "resilient_prune_batch"):
-        with pytest.raises(ConfigurationError, match=rf"{key}=None is invalid: leave it unset"):
-            ResilientConfig.from_mapping({**base, key: None})
-    # a setting whose default is None takes None
+    cfg = ResilientConfig.from_mapping({**base, "resilient_prune_interval": None,
+                                        "resilient_lease_seconds": None})
+    assert (cfg.prune_interval, cfg.lease_seconds) == (
+        ResilientConfig.prune_interval, ResilientConfig.lease_seconds)
     assert ResilientConfig.from_mapping(
         {**base, "resilient_context_retention": None}).context_retention is None
 
