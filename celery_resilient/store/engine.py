@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import NoSuchModuleError
+from sqlalchemy.exc import DisconnectionError, NoSuchModuleError
 
 from celery_resilient.errors import ConfigurationError
 
@@ -66,13 +66,17 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
         if make_url(url).get_backend_name() == "sqlite":
             return _sqlite_engine(url)
         if autocommit:
-            return create_engine(url, pool_size=2, max_overflow=3,
-                                 isolation_level="AUTOCOMMIT", pool_reset_on_return=None,
-                                 connect_args=_connect_args(url))
-        # No pre-ping: a stale pooled connection is detected on use and retried once
-        # (``guarded``).
-        return create_engine(url, pool_size=5, max_overflow=5,
-                             connect_args=_connect_args(url))
+            engine = create_engine(url, pool_size=2, max_overflow=3,
+                                   isolation_level="AUTOCOMMIT", pool_reset_on_return=None,
+                                   connect_args=_connect_args(url))
+        else:
+            # No pre-ping: a stale pooled connection is detected on use and retried once
+            # (``guarded``).
+            engine = create_engine(url, pool_size=5, max_overflow=5,
+                                   connect_args=_connect_args(url))
+        if make_url(url).get_driver_name() == "psycopg":
+            event.listen(engine, "checkout", _refuse_unfinished)
+        return engine
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(
             f"resilient_store_url={sanitize_url(url)!r} names a database driver that is not "
@@ -95,6 +99,20 @@ def _connect_args(url: str) -> dict[str, Any]:
         # hot path kept 95 % of its throughput.
         args["prepare_threshold"] = None
     return args
+
+
+def _refuse_unfinished(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+    """Never lend a connection that still waits for a reply or is broken.
+
+    An exception raised from a signal handler (Celery's soft time limit, ``SIGUSR1``) while
+    psycopg waited for the server leaves the connection mid-protocol; wherever that happened
+    (a statement, a commit, the pool's own reset), it must not serve the next caller. A
+    local status read, no round trip; the pool replaces the connection.
+    """
+    from psycopg import pq  # noqa: PLC0415 - psycopg is the optional driver
+
+    if dbapi_conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        raise DisconnectionError("connection left mid-statement or broken; replaced")
 
 
 def _release(engine: Engine, owner_pid: int) -> None:

@@ -91,6 +91,9 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                 try:
                     return fn(*args, **kwargs)
                 except DBAPIError as exc:
+                    interrupt = _interrupt_behind(exc)
+                    if interrupt is not None:
+                        raise interrupt from None
                     if transient.commits() == committed:
                         if transient.is_retryable(exc) and reruns < transient.RETRIES:
                             reruns += 1
@@ -219,6 +222,25 @@ class WorkInfo:
 
 
 
+def _interrupt_behind(exc: BaseException) -> BaseException | None:
+    """What interrupted the call, when ``exc`` was only raised cleaning up after it.
+
+    A soft time limit raised while a read's ``ROLLBACK`` waited for the server leaves the
+    connection mid-protocol; closing it then fails with "another command is already in
+    progress", chained to the interrupt. The caller must see the interrupt (its handlers
+    expect it), not a store outage that re-sends the task.
+    """
+    seen = exc.__context__
+    for _ in range(5):
+        if seen is None:
+            return None
+        if not isinstance(seen, ResilientError) and not type(seen).__module__.startswith(
+                ("sqlalchemy", "psycopg", "sqlite3")):
+            return seen
+        seen = seen.__context__
+    return None
+
+
 def _server_gone(exc: BaseException) -> bool:
     """The connection answered as a server that went away or is read-only (a standby during
     a failover): the next attempt needs a fresh connection."""
@@ -330,7 +352,10 @@ class Store:
                 raise
             try:
                 conn.commit()
-            except DBAPIError as exc:
+            except BaseException as exc:
+                if not isinstance(exc, DBAPIError):  # interrupted while COMMIT was sent
+                    _drop(conn)
+                    raise
                 if isinstance(exc, OperationalError) or transient.is_transient(exc):
                     raise StoreUnavailable(
                         f"store unavailable at commit of "

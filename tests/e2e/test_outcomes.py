@@ -500,8 +500,8 @@ def test_soft_limits_inside_store_calls_fail_once_and_the_process_goes_on(
         assert _error(lab.meta(task_id)) == "SoftTimeLimitExceeded"
     for task_id in after:
         lab.settle(task_id, worker, "done", "SUCCESS")
-    assert "re-sent" not in worker.process.logs()
-    assert "another command is already in progress" not in worker.process.all_logs()
+    logs = worker.process.all_logs()
+    assert "re-sent" not in logs and "store unavailable" not in logs, logs[-6000:]
     lab.holds(limited[-1], worker, "failed", "FAILURE", runs=1)
     assert all(lab.runs(task_id) == 1 for task_id in limited + after)
 

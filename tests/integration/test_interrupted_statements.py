@@ -90,3 +90,40 @@ def test_a_step_interrupted_mid_transaction_raises_the_interrupt_not_an_outage(
     assert pg_store.get_step("k", "first") is None  # rolled back with its connection
     pg_store.put_step("k", claim.epoch, "second", codec.encode(2))
     assert pg_store.get_step("k", "second") == codec.encode(2)
+
+
+@pytest.mark.parametrize("engine_index", [0, 1], ids=["transactional", "autocommit"])
+def test_a_pooled_connection_left_mid_statement_is_never_lent_again(
+        pg_store: Store, engine_index: int) -> None:
+    """Wherever the interrupt landed (a statement, a COMMIT, the pool's own reset), the
+    connection goes back to its pool still waiting for a reply; the next checkout must give
+    a working one."""
+    engine = pg_store.engines[engine_index]
+    with engine.connect() as conn:
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        raw.pgconn.send_query(b"SELECT pg_sleep(0.2)")  # sent; its reply never read
+        broken = id(raw)
+    with engine.connect() as conn:
+        assert id(conn.connection.dbapi_connection) != broken
+        assert conn.execute(text("SELECT 1")).scalar_one() == 1
+
+
+def test_a_read_interrupted_while_waiting_raises_the_interrupt_not_an_outage(
+        pg_store: Store, other: Engine, alarm: None) -> None:
+    """Closing the interrupted read's connection fails too ("another command is already in
+    progress"); that cleanup error must not replace the interrupt."""
+    claim = run(pg_store, "k", owner())
+    pg_store.put_step("k", claim.epoch, "first", codec.encode(1))
+    holder = other.connect()
+    try:
+        holder.execute(text(f"LOCK TABLE {pg_store.prefix}steps IN ACCESS EXCLUSIVE MODE"))
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            pg_store.get_step("k", "first")
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        holder.rollback()
+        holder.close()
+    _statement_landed(other, pg_store)
+    assert pg_store.get_step("k", "first") == codec.encode(1)
