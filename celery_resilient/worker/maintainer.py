@@ -81,11 +81,17 @@ class Maintainer(threading.Thread):
     def flush_receipts(self) -> int:
         """Write every buffered delivery in one statement.
 
-        A store outage keeps them for the next round. Any other error drops the batch (the
-        broker still holds those messages unacked) rather than retry it forever and starve
-        the rounds behind it.
+        Only deliveries still held are written. A store outage keeps them for the next
+        round. Any other error drops the batch (the broker still holds those messages
+        unacked) rather than retry it forever and starve the rounds behind it.
         """
         items = self.rt.receipts.take_all()
+        held = self.rt.held.snapshot()
+        if held is not None:
+            # A delivery acked or rejected before its receipt was written (during a store
+            # outage, or within the coalescing window) is no longer this worker's: recording
+            # it would reserve the work for a message nobody holds.
+            items = [r for r in items if r.task_id in held]
         if items:
             try:
                 self.rt.store.record_receipts(items, self.owner, self.rt.config.lease_seconds)
