@@ -310,8 +310,9 @@ def summary(results: dict[str, Result], cap: float) -> str:
             rows.extend(build(res))
         except (KeyError, TypeError, ValueError, IndexError, StopIteration) as exc:
             rows.append([TITLES[name], f"could not parse output ({exc!r})", "", "", ""])
-    return markdown_table(["figure", "celery-resilient", "plain Celery (same run)", "ratio",
-                           "note"], rows)
+    return markdown_table(["figure", "celery-resilient",
+                           "baseline, same run (plain Celery unless named)", "ratio", "note"],
+                          rows)
 
 
 def context_line(res: Result) -> str:
