@@ -234,11 +234,17 @@ def _interrupt_behind(exc: BaseException) -> BaseException | None:
     for _ in range(5):
         if seen is None:
             return None
-        if not isinstance(seen, ResilientError) and not type(seen).__module__.startswith(
-                ("sqlalchemy", "psycopg", "sqlite3")):
+        if _is_interrupt(seen):
             return seen
         seen = seen.__context__
     return None
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    """Raised asynchronously into whatever code ran: billiard's soft time limit (also what
+    ``revoke(terminate=True, signal="SIGUSR1")`` raises), or the process being stopped."""
+    return isinstance(exc, (KeyboardInterrupt, SystemExit)) or \
+        type(exc).__module__.startswith("billiard")
 
 
 def _server_gone(exc: BaseException) -> bool:
