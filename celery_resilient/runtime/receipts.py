@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterable
 
 from celery_resilient.store.sql import Receipt
 
@@ -121,6 +122,11 @@ class HeldRequests:
                 self._counts[task_id] = left
             else:
                 self._counts.pop(task_id, None)
+
+    def holding(self, task_ids: Iterable[str]) -> set[str]:
+        """Those of ``task_ids`` held now (no copy of the whole set)."""
+        with self._lock:
+            return {t for t in task_ids if t in self._counts}
 
     def snapshot(self) -> frozenset[str] | None:
         """The held ids, or None when there are too many to filter by."""

@@ -48,7 +48,6 @@ from celery_resilient.core.states import (
     STOPPED_STATES,
 )
 from celery_resilient.errors import (
-    ResilientError,
     StaleClaimError,
     StoreUnavailable,
     WorkKeyConflict,
@@ -117,8 +116,7 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                     # SoftTimeLimitExceeded, raised from a signal handler): the task must see
                     # that exception itself, as its handlers expect.
                     orig = exc.orig
-                    if isinstance(orig, BaseException) and \
-                            not type(orig).__module__.startswith("sqlalchemy"):
+                    if isinstance(orig, BaseException) and _is_interrupt(orig):
                         raise orig from None
                     raise
 
@@ -253,14 +251,6 @@ def _server_gone(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and transient.sqlstate(exc) in transient.LOST_SQLSTATES
 
 
-def _unknown_state(exc: BaseException) -> bool:
-    """Whether a connection that raised ``exc`` may be unfit for the next user: interrupted
-    outside the driver's error handling (a soft time limit, SIGUSR1), or :func:`_server_gone`."""
-    if not isinstance(exc, DBAPIError):
-        return not isinstance(exc, ResilientError)  # our own refusals come after the statement
-    return _server_gone(exc)
-
-
 def _drop(conn: Connection) -> None:
     """Invalidate ``conn`` (its pool opens a fresh one next time), whatever state it is in."""
     if not conn.invalidated:
@@ -325,9 +315,9 @@ class Store:
             try:
                 yield conn
             except BaseException as exc:
-                # Nothing resets these connections on return to the pool, so one that an
-                # interrupt (a soft time limit) left mid-statement must not go back to it.
-                if _unknown_state(exc):
+                # (One an interrupt left mid-statement is refused at its next checkout:
+                # engine._refuse_unfinished.)
+                if _server_gone(exc):
                     _drop(conn)
                 raise
 
@@ -349,19 +339,16 @@ class Store:
                     conn.rollback()
                 except DBAPIError:
                     # Interrupted mid-statement (a soft time limit: "another command is
-                    # already in progress"): drop the connection; the error that stopped
-                    # the transaction is what the caller must see, not the rollback's.
-                    _drop(conn)
+                    # already in progress"; the pool refuses that connection at its next
+                    # checkout): the error that stopped the transaction is what the caller
+                    # must see, not the rollback's.
                     raise exc from None
                 if _server_gone(exc):
                     _drop(conn)
                 raise
             try:
                 conn.commit()
-            except BaseException as exc:
-                if not isinstance(exc, DBAPIError):  # interrupted while COMMIT was sent
-                    _drop(conn)
-                    raise
+            except DBAPIError as exc:
                 if isinstance(exc, OperationalError) or transient.is_transient(exc):
                     raise StoreUnavailable(
                         f"store unavailable at commit of "

@@ -86,12 +86,11 @@ class Maintainer(threading.Thread):
         unacked) rather than retry it forever and starve the rounds behind it.
         """
         items = self.rt.receipts.take_all()
-        held = self.rt.held.snapshot()
-        if held is not None:
-            # A delivery acked or rejected before its receipt was written (during a store
-            # outage, or within the coalescing window) is no longer this worker's: recording
-            # it would reserve the work for a message nobody holds.
-            items = [r for r in items if r.task_id in held]
+        # A delivery acked or rejected before its receipt was written (during a store outage,
+        # or within the coalescing window) is no longer this worker's: recording it would
+        # reserve the work for a message nobody holds.
+        held = self.rt.held.holding(r.task_id for r in items)
+        items = [r for r in items if r.task_id in held]
         if items:
             try:
                 self.rt.store.record_receipts(items, self.owner, self.rt.config.lease_seconds)

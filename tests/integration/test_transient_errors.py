@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from billiard.exceptions import SoftTimeLimitExceeded
 from sqlalchemy import (
     Column,
     Connection,
@@ -199,14 +200,11 @@ def test_an_interrupt_wrapped_by_sqlalchemy_reaches_the_caller_unchanged() -> No
     """SQLAlchemy wraps an exception raised inside its own code while it prepares a
     statement (a soft time limit landing there) in ``StatementError``; a store call re-raises
     the interrupt itself, which is what the task's handlers catch."""
-    class SoftLimit(Exception):
-        pass
-
     @guarded
     def call() -> None:
-        raise StatementError("interrupted", "SELECT 1", {}, SoftLimit("soft time limit"))
+        raise StatementError("interrupted", "SELECT 1", {}, SoftTimeLimitExceeded())
 
-    with pytest.raises(SoftLimit):
+    with pytest.raises(SoftTimeLimitExceeded):
         call()
 
 
