@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,11 +87,12 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
         with transient.operation(fn.__qualname__):
             op = transient.current_operation(fn.__qualname__)
             committed, reruns, reconnected = transient.commits(), 0, False
+            handling = sys.exc_info()[1]  # the caller's, e.g. a shutdown's WorkerShutdown
             while True:
                 try:
                     return fn(*args, **kwargs)
                 except DBAPIError as exc:
-                    interrupt = _interrupt_behind(exc)
+                    interrupt = _interrupt_behind(exc, handling)
                     if interrupt is not None:
                         raise interrupt from None
                     if transient.commits() == committed:
@@ -220,17 +222,23 @@ class WorkInfo:
 
 
 
-def _interrupt_behind(exc: BaseException) -> BaseException | None:
+def _interrupt_behind(exc: BaseException, handling: BaseException | None) -> BaseException | None:
     """What interrupted the call, when ``exc`` was only raised cleaning up after it.
 
     A soft time limit raised while a read's ``ROLLBACK`` waited for the server leaves the
     connection mid-protocol; closing it then fails with "another command is already in
     progress", chained to the interrupt. The caller must see the interrupt (its handlers
     expect it), not a store outage that re-sends the task.
+
+    ``handling`` is the exception the caller was already handling when the call began: it
+    ends every chain raised inside the call, and it did not interrupt the call. Celery's warm
+    shutdown runs the worker's ``stop`` steps inside ``except SystemExit`` (its
+    ``WorkerShutdown``); taking that for an interrupt re-raised it out of our shutdown step
+    and left the worker hanging at exit, its pool never joined.
     """
     seen = exc.__context__
     for _ in range(5):
-        if seen is None:
+        if seen is None or seen is handling:
             return None
         if _is_interrupt(seen):
             return seen

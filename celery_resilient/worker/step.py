@@ -116,8 +116,10 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         rt, owner = self.maintainer.rt, self.maintainer.owner
         try:
             rt.store.mark_draining(owner)
-        except ResilientError as exc:
-            log.warning("could not record the drain: %s", exc)
+        except Exception as exc:  # raised out of a stop step, it cuts
+            # Celery's shutdown short: the pool is never joined and the worker hangs at exit.
+            log.warning("could not record the drain: %s", exc,
+                        exc_info=not isinstance(exc, ResilientError))
         log.info("warm shutdown: %s; lease kept until the pool has drained",
                  "running resumable work hands off at its next checkpoint"
                  if rt.config.shutdown == "hand_off" else "running work drains",
@@ -146,8 +148,9 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             maintainer.rt.outcomes.flush(maintainer.rt.store)
             maintainer.revokes.flush(maintainer.rt)
             maintainer.rt.store.mark_stopped(maintainer.owner, maintainer.rt.config.submit_timeout)
-        except ResilientError as exc:
-            log.warning("could not hand claims back on shutdown: %s", exc)
+        except Exception as exc:  # never cut Celery's shutdown short
+            log.warning("could not hand claims back on shutdown: %s", exc,
+                        exc_info=not isinstance(exc, ResilientError))
         finally:
             if keeper is not None:
                 keeper.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -280,3 +281,51 @@ def test_revoked_running_work_drains_at_a_deploy_as_in_celery(
     assert len(runs) == 1, "the revoked work was handed off instead of drained"
     assert _steps(effect_log, key) == {i: 1 for i in range(steps)}
 
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_sigterm_as_the_store_stops_exits_promptly(
+        make_project: Callable[..., Project], broker_url: str,
+        throwaway_pg: ThrowawayPostgres, effect_log: EffectLog) -> None:
+    """A deploy's SIGTERM in the first moments of a PostgreSQL outage (chaos seeds 249079,
+    812969): hand-offs and checkpoints fail, the tasks re-send themselves or are rejected
+    back to the broker as the warm shutdown begins, and the shutdown step cannot record the
+    drain. Each time the worker must exit promptly (it hung at exit, its pool never joined),
+    and every unit must finish once when the store is back, with no overlapping executions."""
+    project = make_project(broker_url, throwaway_pg.url)
+    project.extra = {"resilient_lease_seconds": 6, "resilient_heartbeat_interval": 1,
+                     "resilient_store_retry_base": 0.5, "resilient_store_retry_max": 1}
+    client = _client(project)
+    steps = 300
+    keys: list[str] = []
+    moments: list[tuple[str, Callable[[LocalWorker], object]]] = [
+        ("while PostgreSQL stops", lambda w: None),
+        ("once it is down", lambda w: not throwaway_pg.running()),
+        ("as the tasks re-send themselves", lambda w: "re-sent in" in w.process.logs()),
+        ("once consumption is paused", lambda w: "paused consuming" in w.process.logs()),
+    ]
+    for n, (moment, ready) in enumerate(moments):
+        worker = project.nodes.worker(APP, name=f"r{n}", queues=(project.queue,),
+                                      env=project.env(), concurrency=2)
+        pair = [_send(client, steps, 0.01) for _ in range(2)]
+        keys += pair
+        wait_for(lambda pair=pair: all(sum(_steps(effect_log, k).values()) >= 2 for k in pair),
+                 60, "both tasks running")
+        stopper = threading.Thread(target=throwaway_pg.stop_immediately)
+        stopper.start()
+        wait_for(lambda w=worker, ready=ready: ready(w) is not False, 30, moment)
+        worker.process.kill("SIGTERM", group=False)
+        stopper.join()
+        wait_for(lambda w=worker: w.process.status == "exited", 20,
+                 f"the worker to exit within 20 s of a SIGTERM {moment}")
+        logs = worker.process.all_logs()
+        assert "warm shutdown: " in logs, f"the shutdown step did not run to its end {moment}"
+        throwaway_pg.start()
+    _worker(project, "finisher")
+    for key in keys:
+        assert client.AsyncResult(key).get(timeout=180) == {"steps": steps}
+        runs = _assert_no_overlap(effect_log, key)
+        counts = _steps(effect_log, key)
+        assert set(counts) == set(range(steps)), f"{key}: steps missing"
+        again = [i for i, c in counts.items() if c > 1]  # cut before its checkpoint landed
+        assert all(counts[i] == 2 for i in again) and len(again) <= len(runs) - 1, counts

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import WorkerShutdown
 from sqlalchemy import (
     Column,
     Connection,
@@ -42,6 +43,7 @@ from celery_resilient.store import transient
 from celery_resilient.store.sql import Store, guarded
 from celery_resilient.tasks.ledger import Ledger
 from celery_resilient.testing import wait_for
+from celery_resilient.testing.services import free_port
 
 from .helpers import execution, owner, run, take
 
@@ -206,6 +208,24 @@ def test_an_interrupt_wrapped_by_sqlalchemy_reaches_the_caller_unchanged() -> No
 
     with pytest.raises(SoftTimeLimitExceeded):
         call()
+
+
+def test_an_exception_the_caller_was_handling_is_not_taken_for_an_interrupt(
+        table_prefix: str) -> None:
+    """Celery's warm shutdown runs the worker's stop steps inside ``except SystemExit`` (its
+    ``WorkerShutdown``), so every error a store call raises there is chained to it. A store
+    that does not answer then is an outage (the shutdown step logs it and goes on), never
+    that SystemExit again: re-raised, it cut the shutdown short and the worker hung at exit
+    with its pool never joined (found by the chaos soak)."""
+    down = Store(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres", table_prefix)
+    try:
+        try:
+            raise WorkerShutdown(0)
+        except SystemExit:
+            with pytest.raises(StoreUnavailable, match=r"unreachable during Store\.mark_draining"):
+                down.mark_draining(owner())
+    finally:
+        down.dispose()
 
 
 # -- ledger.atomic on PostgreSQL: the block cannot be re-run in place ---------------------------
