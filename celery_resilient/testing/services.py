@@ -79,6 +79,19 @@ class ThrowawayPostgres:
         """The outage: every backend killed at once, no shutdown checkpoint."""
         self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
 
+    def read_only(self, on: bool) -> None:
+        """What clients meet when a failover sends them to a standby: every transaction
+        read-only (SQLSTATE 25006 on a write), applied to open sessions by a reload."""
+        engine = create_engine(self.url, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SET default_transaction_read_only = off"))
+                conn.execute(text("ALTER SYSTEM SET default_transaction_read_only = "
+                                  + ("on" if on else "off")))
+                conn.execute(text("SELECT pg_reload_conf()"))
+        finally:
+            engine.dispose()
+
     def running(self) -> bool:
         return subprocess.run([_pg_bin("pg_ctl"), "-D", str(self.data), "status"],
                               check=False, user=self.user, capture_output=True).returncode == 0

@@ -90,3 +90,46 @@ def test_postgresql_outage_mid_task_loses_nothing(make_project: Callable[..., Pr
     assert found is not None and codec.decode(found[0]) == {"row": ROWS}
     logs: Any = worker.process.logs()
     assert "Traceback" not in logs, logs[-4000:]
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_a_read_only_server_mid_task_loses_nothing(make_project: Callable[..., Project],
+                                                   broker_url: str,
+                                                   throwaway_pg: ThrowawayPostgres,
+                                                   effect_log: EffectLog) -> None:
+    """A failover's first moments: the server answers but refuses every write (SQLSTATE
+    25006, a standby). On a real worker that is an outage, as for a stopped server: the
+    running task's checkpoint and a new task's take fail, both are re-sent, neither is
+    failed (its message acked as FAILURE, the work lost), and once writes are accepted again
+    each finishes once, resumed from its checkpoint."""
+    project = make_project(broker_url, throwaway_pg.url)
+    project.extra = {"resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2}
+    worker = project.worker()
+    key = project.send("ingest", ROWS, DELAY, task_id="readonly-ingest")
+    wait_for(lambda: _rows_done(effect_log, key) >= 5, 30, "5 checkpointed rows")
+
+    throwaway_pg.read_only(True)
+    short_key = project.send("short", 21, task_id="readonly-short")
+    wait_for(lambda: _store_retries(worker.process.logs(), key) >= 1, 30,
+             "the worker to re-send the running task")
+    wait_for(lambda: _store_retries(worker.process.logs(), short_key) >= 1, 30,
+             "the worker to re-send the task sent while writes are refused")
+    assert "25006" in worker.process.logs()
+    assert project.state(short_key) is None  # its take was never written
+
+    throwaway_pg.read_only(False)
+    wait_for(lambda: project.all_done([key, short_key]), 60,
+             "both tasks to finish once writes are accepted")
+    entries = effect_log.entries()
+    starts = [e for e in entries if e["effect"] == f"start:{key}"]
+    assert len(starts) == 2 and int(starts[1]["row"]) >= 5, starts  # resumed, not from zero
+    rows = [e["effect"] for e in entries if e["effect"].startswith(f"row:{key}:")]
+    assert set(rows) == {f"row:{key}:{i}" for i in range(ROWS)}
+    assert len(rows) <= ROWS + 1  # at most the row whose checkpoint was refused, again
+    counts = effect_log.counts()
+    assert counts[f"notify:{key}"] == 1 and counts[f"charge:{key}"] == 1
+    assert counts[f"short:{short_key}"] == 1
+    for k in (key, short_key):
+        row = project.store.get_work(k)
+        assert row is not None and (row.state, row.deaths) == ("done", 0), row
+    assert "Traceback" not in worker.process.logs()

@@ -210,18 +210,21 @@ def test_an_interrupt_wrapped_by_sqlalchemy_reaches_the_caller_unchanged() -> No
         call()
 
 
+@pytest.mark.parametrize("handling", [WorkerShutdown(0), SoftTimeLimitExceeded()],
+                         ids=["celery-warm-shutdown", "task-handling-its-soft-limit"])
 def test_an_exception_the_caller_was_handling_is_not_taken_for_an_interrupt(
-        table_prefix: str) -> None:
+        table_prefix: str, handling: BaseException) -> None:
     """Celery's warm shutdown runs the worker's stop steps inside ``except SystemExit`` (its
-    ``WorkerShutdown``), so every error a store call raises there is chained to it. A store
-    that does not answer then is an outage (the shutdown step logs it and goes on), never
-    that SystemExit again: re-raised, it cut the shutdown short and the worker hung at exit
-    with its pool never joined (found by the chaos soak)."""
+    ``WorkerShutdown``), and a task may save a checkpoint inside ``except
+    SoftTimeLimitExceeded``; every error a store call raises there is chained to what is being
+    handled. A store that does not answer then is an outage (the caller logs it or re-sends
+    the task), never that exception again: re-raised out of the shutdown step, it cut the
+    shutdown short and the worker hung at exit with its pool never joined (the chaos soak)."""
     down = Store(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres", table_prefix)
     try:
         try:
-            raise WorkerShutdown(0)
-        except SystemExit:
+            raise handling
+        except BaseException:
             with pytest.raises(StoreUnavailable, match=r"unreachable during Store\.mark_draining"):
                 down.mark_draining(owner())
     finally:
