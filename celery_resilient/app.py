@@ -13,6 +13,7 @@ from celery import Celery, signals
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.worker import receiving
+from celery_resilient.worker.connection import ConnectionLossStep
 from celery_resilient.worker.step import ResilientWorkerStep
 
 
@@ -28,6 +29,7 @@ class Resilient(Runtime):
         super().__init__(app)
         app.steps["worker"].add(ResilientWorkerStep)
         app.steps["worker"].add("celery_resilient.beat.once:SlotOnceStep")  # 1 start per slot
+        app.steps["consumer"].add(ConnectionLossStep)
         # Weak receivers: the app holds this object, so they live exactly as long as the app.
         signals.task_received.connect(self._on_task_received)
         signals.task_revoked.connect(self._on_task_revoked)

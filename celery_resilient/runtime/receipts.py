@@ -123,6 +123,19 @@ class HeldRequests:
             else:
                 self._counts.pop(task_id, None)
 
+    def retain(self, task_ids: Iterable[str]) -> int:
+        """Let go of every id not in ``task_ids``; return how many were let go.
+
+        For a broker connection that dropped: Celery forgets the deliveries it can no
+        longer acknowledge without acking or rejecting them, so nothing releases them here.
+        """
+        keep = set(task_ids)
+        with self._lock:
+            gone = [t for t in self._counts if t not in keep]
+            for t in gone:
+                del self._counts[t]
+        return len(gone)
+
     def holding(self, task_ids: Iterable[str]) -> set[str]:
         """Those of ``task_ids`` held now (no copy of the whole set)."""
         with self._lock:

@@ -17,6 +17,7 @@ import redis
 
 from celery_resilient.core import codec
 from celery_resilient.testing import EffectLog, wait_for
+from celery_resilient.testing.services import ThrowawayRedis
 
 from . import proj
 from .conftest import Project
@@ -170,3 +171,35 @@ def test_durable_submit_survives_broker_data_loss(make_project: Callable[..., Pr
     wait_for(lambda: project.all_done(ids), 60, "all 100 submitted tasks to finish")
     effect_log.assert_exactly_once({f"short:{i}" for i in ids})
     assert json.loads(json.dumps(effect_log.count(f"short:{ids[0]}"))) == 1
+
+
+def test_a_broker_restart_strands_no_prefetched_work(make_project: Callable[..., Project],
+                                                     effect_log: EffectLog) -> None:
+    """Redis restarted (its data kept) while one job runs and four wait in prefetch. Celery
+    forgets the prefetched deliveries when the connection drops (their delivery tags died
+    with it) without acking or rejecting them, and Redis keeps them unacked for its
+    visibility timeout, an hour. A worker that goes on (or is restarted by its supervisor
+    when kombu's restore error makes it exit) must let their claims lapse so they are
+    re-published within a lease or two: every job finishes, each once."""
+    server = ThrowawayRedis(persistent=True).start()
+    try:
+        project = make_project(server.url)
+        project.extra = {**FAST, "worker_prefetch_multiplier": 5}
+        worker = project.worker(concurrency=1)
+        keys = [project.send("ingest", 30, 0.1, task_id="job-long")]
+        keys += [project.send("ingest", ROWS, 0.05, task_id=f"job-{i}") for i in range(4)]
+        wait_for(lambda: _checkpointed(project, keys[0]) >= 2, 30, "the first job to checkpoint")
+        wait_for(lambda: _reserved_or_running(project, keys[1:]), 30, "four jobs prefetched")
+        server.kill()
+        wait_for(lambda: "Connection to broker lost" in worker.process.logs()
+                 or worker.process.status == "exited", 30, "the worker to lose the broker")
+        server.start()
+        if worker.process.status == "exited":  # kombu's restore error: a supervisor restarts it
+            worker.restart()
+        wait_for(lambda: project.all_done(keys), 60, "every job to finish within 60 s")
+        for key in keys[1:]:
+            assert effect_log.count(f"start:{key}") == 1, key
+            _assert_rows_once_but_inflight(effect_log, key, ROWS)
+        _assert_rows_once_but_inflight(effect_log, keys[0], 30)
+    finally:
+        server.destroy()

@@ -72,6 +72,20 @@ def test_held_requests_count_copies_of_one_task_id() -> None:
     assert held.snapshot() == frozenset({"t"})
 
 
+def test_a_lost_broker_connection_lets_go_of_what_celery_forgot() -> None:
+    """After a dropped connection Celery keeps only its executing requests (and reserved or
+    ETA ones it did not drop); every other held id goes, copies and all (the e2e proof:
+    tests/e2e/test_claims.py::test_a_broker_restart_strands_no_prefetched_work)."""
+    held = HeldRequests()
+    for task_id in ("running", "prefetched", "prefetched", "eta"):
+        held.add(task_id)
+    assert held.retain({"running", "eta", "unrelated"}) == 1
+    assert held.snapshot() == frozenset({"running", "eta"})
+    held.release("eta")
+    assert held.retain(set()) == 1
+    assert held.snapshot() == frozenset()
+
+
 def test_eager_claims_of_live_processes_keep_their_own_lease(store: Store) -> None:
     """task.apply() inside a task on a worker: no Celery request accounts for it. Found by
     the issue 11 review: it was let go as "not executing" and re-run on another worker."""

@@ -1,0 +1,53 @@
+"""Consumer bootstep: a lost broker connection lets go of the deliveries it carried.
+
+When the connection to the broker drops, Celery forgets the messages it had received and
+not yet handed to the pool (prefetched, or waiting for an ETA/countdown): a delivery tag
+belongs to its channel, so they can be neither acked nor rejected, and the broker delivers
+them again (RabbitMQ at once, Redis after its visibility timeout). Nothing acks or rejects
+them here either, so without this step the worker would go on holding them: the heartbeat
+would renew their reserved claims for as long as the worker lives, and a message stuck in
+Redis's unacked set would wait out the whole visibility timeout (an hour by default) instead
+of being re-published one lease later.
+
+Celery's consumer runs ``on_close`` and then stops its steps, on the event loop's thread,
+before it reconnects: this step's ``stop`` keeps only the ids Celery still knows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+from celery_resilient.runtime.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def known_task_ids() -> set[str]:
+    """Task ids of every request Celery holds: executing, reserved, or waiting for an ETA."""
+    ids = set(worker_state.requests)
+    ids.update(r.id for r in list(worker_state.active_requests))
+    ids.update(r.id for r in list(worker_state.reserved_requests))
+    ids.update(r.id for r in list(worker_state.scheduled_requests))
+    return ids
+
+
+class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """On every stop of the consumer (a lost connection, or shutdown): drop held ids that
+    Celery itself dropped, so their claims lapse and are re-published."""
+
+    label = "celery-resilient connection"
+
+    def stop(self, consumer: Any) -> None:
+        dropped = Runtime.of(consumer.app).held.retain(known_task_ids())
+        if dropped:
+            log.warning("broker connection closed: %d received message(s) Celery can no "
+                        "longer acknowledge are let go; their claims are re-published once "
+                        "their lease lapses", dropped, extra={"action": "deliveries_dropped",
+                                                              "count": dropped})
+
+
+__all__ = ["ConnectionLossStep", "known_task_ids"]
