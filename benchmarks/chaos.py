@@ -703,8 +703,9 @@ class Chaos:
             steps = {(r.work_key, r.name): codec.decode(r.result_json)
                      for r in conn.execute(select(t.steps)).all()}
             ledger = {r.key: r for r in conn.execute(select(t.ledger)).all()}
-            checkpoints = {r.work_key: (codec.decode(r.state_json), int(r.seq))
-                           for r in conn.execute(select(t.checkpoints)).all()}
+            checkpoints = {k: (codec.decode(j), int(seq)) for k, (j, seq) in (
+                (r.work_key, (r.checkpoint_json, r.checkpoint_seq)) for r in work.values())
+                if j is not None}
             applied_t = chaosproj.applied_table(PREFIX)
             applied: dict[str, list[int]] = defaultdict(list)
             for r in conn.execute(select(applied_t.c.work_key, applied_t.c.epoch)).all():

@@ -2,9 +2,9 @@
 
 Measures ``self.checkpoint.save(state)`` as a task body calls it: the library's ``Checkpoint``
 handle on a real claim (``Store.take``), warm connection pool, one process, the store's real
-schema (created by its migrations). Before timing, the store is filled with N finished works and
-N checkpoints (rows in the ``work`` and ``checkpoints`` tables), inserted in one statement per
-table: ``INSERT ... SELECT ... FROM generate_series`` on PostgreSQL, a recursive CTE on SQLite.
+schema (created by its migrations). Before timing, the store is filled with N finished works,
+each with a checkpoint (``work`` rows; a checkpoint is part of its work row), inserted in one
+statement: ``INSERT ... SELECT ... FROM generate_series`` on PostgreSQL, a recursive CTE on SQLite.
 
     python benchmarks/checkpoint_latency.py [--rows 1000,1000000] [--samples 3000]
 
@@ -39,28 +39,24 @@ OWNER = Owner("bench@localhost", uuid.uuid4().hex, 0)
 PG_FILL = {
     "work": """
         INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, deaths,
-                             republished, result_json, created_at, updated_at, finished_at)
+                             republished, result_json, created_at, updated_at, finished_at,
+                             checkpoint_json, checkpoint_seq, checkpoint_epoch, checkpoint_at)
         SELECT 'fill-' || g, 'bench.fill', 'fill-' || g, 'done', 1, 1, 0, 0, '1',
-               extract(epoch from now()), extract(epoch from now()), extract(epoch from now())
-        FROM generate_series(1, :n) AS g""",
-    "checkpoints": """
-        INSERT INTO {p}checkpoints (work_key, epoch, seq, state_json, updated_at)
-        SELECT 'fill-' || g, 1, 1, '{{"row": ' || g || ', "cursor": "customers.csv:' || g
-               || '"}}', extract(epoch from now())
+               extract(epoch from now()), extract(epoch from now()), extract(epoch from now()),
+               '{{"row": ' || g || ', "cursor": "customers.csv:' || g || '"}}', 1, 1,
+               extract(epoch from now())
         FROM generate_series(1, :n) AS g""",
 }
 SQLITE_FILL = {
     "work": """
         WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < :n)
         INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, deaths,
-                             republished, result_json, created_at, updated_at, finished_at)
+                             republished, result_json, created_at, updated_at, finished_at,
+                             checkpoint_json, checkpoint_seq, checkpoint_epoch, checkpoint_at)
         SELECT 'fill-' || g, 'bench.fill', 'fill-' || g, 'done', 1, 1, 0, 0, '1',
-               unixepoch(), unixepoch(), unixepoch() FROM s""",
-    "checkpoints": """
-        WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < :n)
-        INSERT INTO {p}checkpoints (work_key, epoch, seq, state_json, updated_at)
-        SELECT 'fill-' || g, 1, 1, '{{"row": ' || g || ', "cursor": "customers.csv:' || g
-               || '"}}', unixepoch() FROM s""",
+               unixepoch(), unixepoch(), unixepoch(),
+               '{{"row": ' || g || ', "cursor": "customers.csv:' || g || '"}}', 1, 1,
+               unixepoch() FROM s""",
 }
 
 
@@ -74,7 +70,6 @@ def fill(store: Store, rows: int) -> float:
     if not store.url.startswith("sqlite"):
         with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.execute(text(f"VACUUM ANALYZE {store.prefix}work"))
-            conn.execute(text(f"VACUUM ANALYZE {store.prefix}checkpoints"))
     return time.perf_counter() - t0
 
 
@@ -108,7 +103,8 @@ def measure(url: str, rows: int, samples: int, warmup: int, first_saves: int) ->
         firsts = [timed(lambda h=h: h.save({"row": 1, "cursor": "customers.csv:1"}))
                   for h in handles]
         with store.engine.connect() as conn:
-            stored = conn.execute(text(f"SELECT count(*) FROM {prefix}checkpoints")).scalar_one()
+            stored = conn.execute(text(f"SELECT count(*) FROM {prefix}work "
+                                       "WHERE checkpoint_json IS NOT NULL")).scalar_one()
     finally:
         drop(store)
     backend = "SQLite file" if url.startswith("sqlite") else "PostgreSQL"

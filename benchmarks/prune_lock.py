@@ -38,19 +38,17 @@ DAY = 86_400.0
 FILL = (
     """INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, deaths,
                             republished, retries, result_json, created_at, updated_at,
-                            finished_at, incarnation)
+                            finished_at, incarnation, checkpoint_json, checkpoint_seq,
+                            checkpoint_epoch, checkpoint_at)
        SELECT 'old-' || g, 'bench.task', 'tid-' || g, 'done', 1, 1, 0, 0, 0, '1',
               t - 31 * 86400, t - 30 * 86400 + g * 0.001, t - 30 * 86400 + g * 0.001,
-              'fill-inc-' || (g % 50)
+              'fill-inc-' || (g % 50), '{{"row": ' || g || '}}', 3, 1, t - 30 * 86400
        FROM generate_series(1, :n) AS g, (SELECT extract(epoch FROM now()) AS t) AS c""",
     """INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, deaths,
                             republished, retries, created_at, updated_at, lease_expires_at)
        SELECT 'open-' || g, 'bench.task', 'otid-' || g, 'running', 1, 1, 0, 0, 0,
               t - 31 * 86400, t - 31 * 86400, t + 3600
        FROM generate_series(1, 1000) AS g, (SELECT extract(epoch FROM now()) AS t) AS c""",
-    """INSERT INTO {p}checkpoints (work_key, epoch, seq, state_json, updated_at)
-       SELECT 'old-' || g, 1, 3, '{{"row": ' || g || '}}', extract(epoch FROM now())
-       FROM generate_series(1, :n) AS g""",
     """INSERT INTO {p}steps (work_key, name, epoch, result_json, created_at)
        SELECT 'old-' || g, s, 1, '{{"ok": true}}', extract(epoch FROM now())
        FROM generate_series(1, :n) AS g, (VALUES ('download'), ('notify')) AS v(s)""",
@@ -63,7 +61,7 @@ FILL = (
               t - 35 * 86400, t - 35 * 86400, t - 35 * 86400
        FROM generate_series(0, 49) AS g, (SELECT extract(epoch FROM now()) AS t) AS c""",
 )
-BIG = ("work", "checkpoints", "steps", "ledger")
+BIG = ("work", "steps", "ledger")
 
 
 def fill(rt: Resilient, n: int) -> float:
@@ -221,8 +219,8 @@ def main() -> None:
                     resilient_auto_migrate=True, resilient_prune_batch=args.batch)
     rt = Resilient(app)
     try:
-        print(f"fill: {args.rows} finished units (+ checkpoints, 2 steps, ledger marker each), "
-              f"1000 open, 50 old worker rows: {fill(rt, args.rows):.1f}s")
+        print(f"fill: {args.rows} finished units (each with a checkpoint, 2 steps and a "
+              f"ledger marker), 1000 open, 50 old worker rows: {fill(rt, args.rows):.1f}s")
         seq_scans = []
         for statement, plan in explain(rt):
             print("\n" + " ".join(statement.split())[:160] + " ...\n" + plan)

@@ -1,8 +1,8 @@
 """Flat at size: the PostgreSQL store's per-unit and maintenance costs with 1k vs 2M units stored.
 
 What: for each size N, a store under a throwaway table prefix (created by the migrations,
-dropped afterwards) is filled with N finished units: N ``work`` rows (``done``, with a result
-and a stored broker message), N ``checkpoints`` rows and N ``steps`` rows, spread over
+dropped afterwards) is filled with N finished units: N ``work`` rows (``done``, with a result,
+a stored broker message and a checkpoint) and N ``steps`` rows, spread over
 ``--fill-workers`` worker incarnations (``workers`` rows), like the history a fleet leaves behind.
 One incarnation of the fill is still live, and the benchmark measures as that worker: it has
 finished N / fill-workers units, as a worker that has been up for a long time. The fill is one
@@ -79,17 +79,14 @@ FILL = {
         INSERT INTO {p}work (work_key, task_name, task_id, args_digest, state, epoch,
                              owner_node, incarnation, owner_pid, lease_expires_at, attempts,
                              deaths, republished, retries, message_json, result_json,
-                             created_at, updated_at, finished_at)
+                             created_at, updated_at, finished_at, checkpoint_json,
+                             checkpoint_seq, checkpoint_epoch, checkpoint_at)
         SELECT 'fill-' || g, 'bench.fill', 'fill-task-' || g, md5(g::text), 'done', 1,
                'fill-node-' || (g % :k) || '@bench', 'fill-inc-' || (g % :k), NULL, NULL, 1,
                0, 0, 0, :msg, '{{"rows": 3000}}', t - (:n - g) * 0.01, t - (:n - g) * 0.01,
+               t - (:n - g) * 0.01, '{{"row": ' || g || ', "file": "customers.csv"}}', 3, 1,
                t - (:n - g) * 0.01
         FROM generate_series(1, :n) AS g, (SELECT extract(epoch FROM now()) AS t) AS clock""",
-    "checkpoints": """
-        INSERT INTO {p}checkpoints (work_key, epoch, seq, state_json, updated_at)
-        SELECT 'fill-' || g, 1, 3, '{{"row": ' || g || ', "file": "customers.csv"}}',
-               extract(epoch FROM now())
-        FROM generate_series(1, :n) AS g""",
     "steps": """
         INSERT INTO {p}steps (work_key, name, epoch, result_json, created_at)
         SELECT 'fill-' || g, 'download', 1, '{{"path": "/data/' || g || '.csv"}}',
@@ -102,7 +99,7 @@ FILL = {
                CASE WHEN g = 0 THEN NULL ELSE t END, t + 30, NULL
         FROM generate_series(0, :k - 1) AS g, (SELECT extract(epoch FROM now()) AS t) AS c""",
 }
-BIG_TABLES = ("work", "checkpoints", "steps")
+BIG_TABLES = ("work", "steps")
 EXPLAIN_SHOWN = ("take", "take (no receipt)", "reconcile (long-lived worker)", "claim_orphans")
 
 
@@ -113,7 +110,7 @@ def fill(store: Store, n: int, workers: int) -> float:
             conn.execute(text(statement.format(p=store.prefix)),
                          {"n": n, "k": workers, "msg": MESSAGE})
     with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        for table in ("work", "checkpoints", "steps", "workers"):
+        for table in ("work", "steps", "workers"):
             conn.execute(text(f"VACUUM ANALYZE {store.prefix}{table}"))
     return time.perf_counter() - t0
 

@@ -70,7 +70,7 @@ work_handed_off = Signal(name="work_handed_off", providing_args={
 
 #: Automatic retention deleted rows of one table (one batch, one transaction; see
 #: ``docs/operations.md``). Sender: the table's name without its prefix (``work``,
-#: ``checkpoints``, ``steps``, ``ledger``, ``revocations``, ``workers``, ``schedule_runs``,
+#: ``steps``, ``ledger``, ``revocations``, ``workers``, ``schedule_runs``,
 #: ``contexts``). kwargs: ``table`` (the same name), ``rows`` (how many were deleted).
 rows_pruned = Signal(name="rows_pruned", providing_args={"app", "table", "rows"})
 

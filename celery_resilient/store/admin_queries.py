@@ -122,7 +122,9 @@ class PruneCounts:
 
     @property
     def total(self) -> int:
-        return self.work + self.checkpoints + self.steps + self.ledger + self.revocations
+        """Rows deleted; a checkpoint is part of its work row (counted on its own only to
+        say how many units had one)."""
+        return self.work + self.steps + self.ledger + self.revocations
 
 
 class AdminQueries:
@@ -201,13 +203,12 @@ class AdminQueries:
 
     @guarded
     def work_detail(self, work_key: str) -> WorkDetail | None:
-        w, c, s, lg = self.t.work, self.t.checkpoints, self.t.steps, self.t.ledger
+        w, s, lg = self.t.work, self.t.steps, self.t.ledger
         with self._read() as conn:
             row = conn.execute(select(w).where(w.c.work_key == work_key)).first()
             if row is None:
                 conn.rollback()
                 return None
-            cp = conn.execute(select(c).where(c.c.work_key == work_key)).first()
             steps = tuple(StepInfo(x.name, int(x.epoch), x.result_json, float(x.created_at))
                           for x in conn.execute(select(s).where(s.c.work_key == work_key)
                                                 .order_by(s.c.created_at, s.c.name)).all())
@@ -217,8 +218,10 @@ class AdminQueries:
                                                  .where(lg.c.work_key == work_key)
                                                  .order_by(lg.c.applied_at)).all())
             conn.rollback()
-        checkpoint = None if cp is None else CheckpointInfo(
-            int(cp.epoch), int(cp.seq), cp.state_json, float(cp.updated_at))
+        checkpoint = None if row.checkpoint_json is None else CheckpointInfo(
+            int(row.checkpoint_epoch if row.checkpoint_epoch is not None else row.epoch),
+            int(row.checkpoint_seq), row.checkpoint_json,
+            float(row.checkpoint_at if row.checkpoint_at is not None else row.updated_at))
         return WorkDetail(work_info(row), checkpoint, steps, ledger,
                           _route(row.message_json))
 
@@ -289,7 +292,7 @@ class AdminQueries:
     def prune_counts(self, older_than: float, ledger: bool = False) -> PruneCounts:
         """How many rows :meth:`prune` would delete now (nothing is changed)."""
         t = self.t
-        w, c, s, lg, rv = t.work, t.checkpoints, t.steps, t.ledger, t.revocations
+        w, s, lg, rv = t.work, t.steps, t.ledger, t.revocations
         with self._read() as conn:
             cutoff = float(conn.execute(select(self.store.dialect.now())).scalar_one()) \
                 - older_than
@@ -297,8 +300,8 @@ class AdminQueries:
             counts = PruneCounts(
                 work=_count(conn, select(func.count()).select_from(w)
                             .where(finished_before(t, cutoff))),
-                checkpoints=_count(conn, select(func.count()).select_from(c)
-                                   .where(c.c.work_key.in_(keys))),
+                checkpoints=_count(conn, select(func.count()).select_from(w).where(
+                    finished_before(t, cutoff), w.c.checkpoint_json.is_not(None))),
                 steps=_count(conn, select(func.count()).select_from(s)
                              .where(s.c.work_key.in_(keys))),
                 ledger=_count(conn, select(func.count()).select_from(lg)

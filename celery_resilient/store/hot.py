@@ -21,7 +21,6 @@ from sqlalchemy import (
     case,
     exists,
     func,
-    literal,
     or_,
     select,
     update,
@@ -85,30 +84,19 @@ class HotStatements:
                    w.c.state == RUNNING)
             .values(updated_at=now)
         )
-        c = t.checkpoints
-        stored = select(c.c.state_json).where(c.c.work_key == bindparam("k")).scalar_subquery()
-        # A checkpoint that changes the state is progress: the crash-loop counter starts
-        # again, so a long task interrupted by many deploys while advancing is not poison,
-        # while one that dies again and again at the same checkpoint is.
-        progress = stored.is_distinct_from(bindparam("state_json", type_=Text))
-        self.fence_progress = self.fence.values(
+        # The checkpoint lives in the work row: a save is this one fenced UPDATE, one row
+        # written (its SQLite and PostgreSQL forms alike). A checkpoint that changes the state
+        # is progress: the crash-loop counter starts again, so a long task interrupted by many
+        # deploys while advancing is not poison, while one that dies again and again at the
+        # same checkpoint is. ``checkpoint_json`` on the right-hand side is the stored value.
+        state = bindparam("state_json", type_=Text)
+        progress = w.c.checkpoint_json.is_distinct_from(state)
+        self.fenced_checkpoint = self.fence.values(
+            checkpoint_json=state, checkpoint_seq=w.c.checkpoint_seq + 1,
+            checkpoint_epoch=bindparam("e", type_=BigInteger), checkpoint_at=now,
             deaths=case((progress, 0), else_=w.c.deaths),
-            republished=case((progress, 0), else_=w.c.republished))
-        if not dialect.is_sqlite:
-            # Fence and upsert in one statement (PostgreSQL allows DML in a top-level WITH):
-            # the checkpoint row is written only if the fencing UPDATE matched.
-            fenced = self.fence_progress.returning(w.c.work_key).cte("fenced")
-            src = select(
-                fenced.c.work_key, bindparam("e", type_=BigInteger), literal(1, BigInteger),
-                bindparam("state_json", type_=Text), now,
-            )
-            up = dialect.insert(c).from_select(
-                ["work_key", "epoch", "seq", "state_json", "updated_at"], src)
-            self.fenced_checkpoint = up.on_conflict_do_update(
-                index_elements=[c.c.work_key],
-                set_={"epoch": up.excluded.epoch, "seq": c.c.seq + 1,
-                      "state_json": up.excluded.state_json, "updated_at": up.excluded.updated_at},
-            ).returning(c.c.seq).add_cte(fenced)
+            republished=case((progress, 0), else_=w.c.republished),
+        ).returning(w.c.checkpoint_seq)
         fg = t.forgotten
         # A key's first row starts at epoch 0, or where its forgotten predecessor ended.
         self.first_epoch = func.coalesce(

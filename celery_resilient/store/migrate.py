@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, text
 
 from celery_resilient.errors import SchemaError
 from celery_resilient.store.engine import for_writing
@@ -60,9 +61,23 @@ def current_revision(engine: Engine, prefix: str) -> str | None:
         return rev
 
 
+def _serialize(conn: Connection, prefix: str) -> None:
+    """One migration of a prefix at a time: workers started together with
+    ``resilient_auto_migrate`` would otherwise race to create the same tables (the loser
+    exited with a duplicate key on the version table). On PostgreSQL a transaction-level
+    advisory lock keyed by the prefix, taken before Alembic reads the current revision, so
+    the next one in line finds the schema at head; SQLite's writing transaction
+    (``for_writing``) already admits one writer."""
+    if conn.dialect.name == "postgresql":
+        key = int.from_bytes(hashlib.blake2b(f"celery-resilient:{prefix}".encode(),
+                                             digest_size=8).digest(), "big", signed=True)
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+
+
 def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
     _quiet_alembic()
     with engine.connect() as conn, for_writing(conn).begin():
+        _serialize(conn, prefix)
         _current_prefix.append(prefix)
         try:
             command.upgrade(_config(prefix, conn), revision)
@@ -73,6 +88,7 @@ def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
 def downgrade(engine: Engine, prefix: str, revision: str) -> None:
     _quiet_alembic()
     with engine.connect() as conn, for_writing(conn).begin():
+        _serialize(conn, prefix)
         _current_prefix.append(prefix)
         try:
             command.downgrade(_config(prefix, conn), revision)

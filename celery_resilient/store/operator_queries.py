@@ -314,15 +314,17 @@ class OperatorQueries:
 
     @guarded
     def forget(self, selection: Selection, dry_run: bool = False) -> ActionReport:
-        """Delete ended work with its checkpoint and steps; its ledger markers stay."""
-        w, c, s = self.t.work, self.t.checkpoints, self.t.steps
+        """Delete ended work (its checkpoint with it) and its steps; its ledger markers stay."""
+        w, s = self.t.work, self.t.steps
         counts = {"checkpoints": 0, "steps": 0}
 
-        def count(conn: Connection, keys: list[str]) -> None:
-            counts["checkpoints"] += int(conn.execute(
-                select(func.count()).select_from(c).where(c.c.work_key.in_(keys))).scalar_one())
-            counts["steps"] += int(conn.execute(
-                select(func.count()).select_from(s).where(s.c.work_key.in_(keys))).scalar_one())
+        def count(conn: Connection, keys: list[str], steps: bool = True) -> None:
+            counts["checkpoints"] += int(conn.execute(  # each goes with its work row
+                select(func.count()).select_from(w).where(
+                    w.c.work_key.in_(keys), w.c.checkpoint_json.is_not(None))).scalar_one())
+            if steps:
+                counts["steps"] += int(conn.execute(select(func.count()).select_from(s).where(
+                    s.c.work_key.in_(keys))).scalar_one())
 
         def act(conn: Connection, rows: list[Any]) -> list[Target]:
             keys = [r.work_key for r in rows]
@@ -336,8 +338,7 @@ class OperatorQueries:
                 set_={"epoch": ins.excluded.epoch, "forgotten_at": ins.excluded.forgotten_at}),
                 [{"work_key": k, "epoch": e, "forgotten_at": at} for k, e in
                  conn.execute(select(w.c.work_key, w.c.epoch).where(w.c.work_key.in_(keys)))])
-            counts["checkpoints"] += conn.execute(delete(c).where(c.c.work_key.in_(keys))
-                                                  ).rowcount
+            count(conn, keys, steps=False)
             counts["steps"] += conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
             conn.execute(delete(w).where(w.c.work_key.in_(keys),
                                          w.c.state.in_(FORGET_SOURCES)))

@@ -105,21 +105,24 @@ class WorkPruned:
 
 @guarded
 def delete_finished_work(store: Store, cutoff: float, batch: int = PRUNE_BATCH) -> WorkPruned:
-    """Delete up to ``batch`` ended work rows finished before ``cutoff``, with their
-    checkpoints and steps, in one transaction. Only the keys whose work row this statement
-    deleted lose their checkpoint and steps."""
+    """Delete up to ``batch`` ended work rows finished before ``cutoff`` (each with its
+    checkpoint) and their steps, in one transaction. Only the keys whose work row this
+    statement deleted lose their steps."""
     t = store.t
-    w, c, s = t.work, t.checkpoints, t.steps
+    w, s = t.work, t.steps
     chosen = (select(w.c.work_key).where(finished_before(t, cutoff))
               .order_by(w.c.finished_at).limit(batch)
               .with_for_update(**store.dialect.lock_kwargs()))
     with store.begin() as conn:
-        keys = [str(k) for k in conn.execute(
+        gone = conn.execute(
             delete(w).where(w.c.work_key.in_(chosen), w.c.state.in_(FINISHED_STATES))
-            .returning(w.c.work_key)).scalars()]
-        if not keys:
+            # checkpoint_seq > 0 exactly when the row holds a checkpoint; not an IS NOT
+            # NULL expression, which SQLite 3.40's DELETE ... RETURNING gives as true for all.
+            .returning(w.c.work_key, w.c.checkpoint_seq)).all()
+        if not gone:
             return WorkPruned()
-        n_cp = conn.execute(delete(c).where(c.c.work_key.in_(keys))).rowcount
+        keys = [str(k) for k, _ in gone]
+        n_cp = sum(1 for _, seq in gone if seq)  # the checkpoint went with its work row
         n_steps = conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
     return WorkPruned(len(keys), int(n_cp), int(n_steps))
 

@@ -29,7 +29,6 @@ KEY = 255  # work keys, ledger keys, entry names: indexable on every dialect
 class Tables:
     metadata: MetaData
     work: Table
-    checkpoints: Table
     steps: Table
     ledger: Table
     schedule_runs: Table
@@ -69,12 +68,24 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("created_at", Float, nullable=False),
         Column("updated_at", Float, nullable=False),
         Column("finished_at", Float, nullable=True),
+        # The last checkpoint, in the work row itself: a save is one fenced UPDATE of one
+        # row (a table of its own cost a second row write per save; migration 0005).
+        # ``checkpoint_seq`` counts saves since the last clear (0: none).
+        Column("checkpoint_json", Text, nullable=True),
+        Column("checkpoint_seq", BigInteger, nullable=False, default=0, server_default="0"),
+        Column("checkpoint_epoch", BigInteger, nullable=True),
+        Column("checkpoint_at", Float, nullable=True),
         Index(f"ix_{p}work_state_lease", "state", "lease_expires_at"),
         Index(f"ix_{p}work_incarnation", "incarnation"),
         Index(f"ix_{p}work_task_id", "task_id"),  # revokes and operators find work by task id
         Index(f"ix_{p}work_finished_at", "finished_at"),  # retention (store/retention.py)
     )
-    checkpoints = Table(
+    # Where checkpoints were kept before migration 0005 moved them into the work row. Kept
+    # (and declared, so the migrations match this module) only so that a worker of the
+    # previous version still running during a rolling deploy saves its checkpoints
+    # somewhere instead of failing its tasks; this version never reads or writes it. A later
+    # migration drops it.
+    Table(
         f"{p}checkpoints", md,
         Column("work_key", String(KEY), primary_key=True),
         Column("epoch", BigInteger, nullable=False),
@@ -166,5 +177,5 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("forgotten_at", Float, nullable=False),
         Index(f"ix_{p}forgotten_forgotten_at", "forgotten_at"),
     )
-    return Tables(md, work, checkpoints, steps, ledger, schedule_runs, schedule_markers,
+    return Tables(md, work, steps, ledger, schedule_runs, schedule_markers,
                   contexts, workers, revocations, forgotten)

@@ -23,7 +23,6 @@ from sqlalchemy import (
     Engine,
     Row,
     and_,
-    delete,
     exists,
     func,
     or_,
@@ -63,6 +62,9 @@ from celery_resilient.store.schema import build_tables
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
 REVOKE_LIST_ERROR = "revoked by task id (Celery's revoke list)"
+#: A work row's checkpoint columns once it is cleared: the next save is #1 again.
+NO_CHECKPOINT: dict[str, Any] = {"checkpoint_json": None, "checkpoint_seq": 0,
+                                 "checkpoint_epoch": None, "checkpoint_at": None}
 T = TypeVar("T")
 
 
@@ -676,10 +678,9 @@ class Store:
             values["retries"] = next_retries
         with self.begin() as conn:
             self.fence(conn, work_key, epoch)
-            conn.execute(update(w).where(w.c.work_key == work_key).values(**values))
             if clear_checkpoint:
-                c = self.t.checkpoints
-                conn.execute(delete(c).where(c.c.work_key == work_key))
+                values.update(NO_CHECKPOINT)
+            conn.execute(update(w).where(w.c.work_key == work_key).values(**values))
 
     @guarded
     def end_request(self, task_id: str, state: str, error: str) -> int:
@@ -1080,43 +1081,28 @@ class Store:
 
     @guarded
     def load_checkpoint(self, work_key: str) -> tuple[str, int] | None:
-        c = self.t.checkpoints
+        w = self.t.work
         with self.engine.connect() as conn:
-            row = conn.execute(
-                select(c.c.state_json, c.c.seq).where(c.c.work_key == work_key)).first()
+            row = conn.execute(select(w.c.checkpoint_json, w.c.checkpoint_seq).where(
+                w.c.work_key == work_key, w.c.checkpoint_json.is_not(None))).first()
             conn.rollback()
-        return None if row is None else (row.state_json, int(row.seq))
+        return None if row is None else (row.checkpoint_json, int(row.checkpoint_seq))
 
     @guarded
     def save_checkpoint(self, work_key: str, epoch: int, state_json: str) -> int:
-        if not self.dialect.is_sqlite:
-            with self.single() as conn:
-                row = self._hot.run(conn, "fenced_checkpoint",
-                                    {"k": work_key, "e": epoch, "state_json": state_json}).row
-            if row is None:
-                raise self._refused(work_key, epoch, "checkpoint refused")
-            return int(row.seq)
-        c = self.t.checkpoints
-        now = self.dialect.now()
-        ins = self.dialect.insert(c).values(
-            work_key=work_key, epoch=epoch, seq=1, state_json=state_json, updated_at=now)
-        stmt = ins.on_conflict_do_update(
-            index_elements=[c.c.work_key],
-            set_={"epoch": epoch, "seq": c.c.seq + 1, "state_json": state_json, "updated_at": now},
-        ).returning(c.c.seq)
-        with self.begin() as conn:
-            res = conn.execute(self._hot.fence_progress,
-                               {"k": work_key, "e": epoch, "state_json": state_json})
-            if res.rowcount != 1:
-                raise self._refused(work_key, epoch, "checkpoint refused")
-            return int(conn.execute(stmt).scalar_one())
+        with self.single() as conn:
+            row = self._hot.run(conn, "fenced_checkpoint",
+                                {"k": work_key, "e": epoch, "state_json": state_json}).row
+        if row is None:
+            raise self._refused(work_key, epoch, "checkpoint refused")
+        return int(row.checkpoint_seq)
 
     @guarded
     def clear_checkpoint(self, work_key: str, epoch: int) -> None:
-        c = self.t.checkpoints
+        w = self.t.work
         with self.begin() as conn:
             self.fence(conn, work_key, epoch)
-            conn.execute(delete(c).where(c.c.work_key == work_key))
+            conn.execute(update(w).where(w.c.work_key == work_key).values(**NO_CHECKPOINT))
 
     # -- steps ------------------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ def _corrupt(store: Store, table: Any, column: str, **where: Any) -> None:
 def test_corrupted_checkpoint_row_is_a_clear_error_and_is_not_overwritten(store: Store) -> None:
     x = execution(store, run(store, "k", owner()))
     Checkpoint(x).save({"row": 2})
-    _corrupt(store, store.t.checkpoints, "state_json", work_key="k")
+    _corrupt(store, store.t.work, "checkpoint_json", work_key="k")
     with pytest.raises(SerializationError) as info:
         Checkpoint(x).load(default={"row": 0})
     message = str(info.value)

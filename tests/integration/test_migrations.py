@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -127,3 +128,73 @@ def test_outdated_schema_names_both_revisions(bare_store: Store) -> None:
     message = str(info.value)
     assert f"at revision 0000, expected {migrate.head_revision()}" in message
     assert migrate.FIX_COMMAND in message
+
+
+def test_0005_moves_each_checkpoint_into_its_work_row_and_back(bare_store: Store) -> None:
+    """A store upgraded with checkpoints in it keeps every one (state, seq, epoch, time), in
+    the work row; the old table stays as it was (for workers of the previous version during
+    a rolling deploy), and a downgrade writes the work rows' checkpoints back into it."""
+    p, engine = bare_store.prefix, bare_store.engine
+    migrate.upgrade(engine, p, "0004")
+    with engine.begin() as conn:
+        for key, state in (("a", "running"), ("b", "done"), ("c", "reserved")):
+            conn.execute(text(
+                f"INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, "
+                f"deaths, republished, retries, created_at, updated_at) VALUES "
+                f"(:k, 't', :k, :s, 3, 1, 0, 0, 0, 1.0, 2.0)"), {"k": key, "s": state})
+        for key, seq in (("a", 4), ("b", 9), ("orphan", 1)):
+            conn.execute(text(f"INSERT INTO {p}checkpoints VALUES (:k, 2, :seq, :j, 5.5)"),
+                         {"k": key, "seq": seq, "j": f'{{"at": "{key}"}}'})
+    bare_store.migrate()
+    assert _diff(bare_store) == []
+    with engine.connect() as conn:  # the old table is left as it was, unread
+        assert conn.execute(text(f"SELECT count(*) FROM {p}checkpoints")).scalar_one() == 3
+        conn.rollback()
+    assert bare_store.load_checkpoint("a") == ('{"at": "a"}', 4)
+    assert bare_store.load_checkpoint("b") == ('{"at": "b"}', 9)
+    assert bare_store.load_checkpoint("c") is None
+    with engine.connect() as conn:
+        row = conn.execute(text(f"SELECT checkpoint_epoch, checkpoint_at, checkpoint_seq "
+                                f"FROM {p}work WHERE work_key = 'a'")).one()
+        none = conn.execute(text(f"SELECT checkpoint_seq FROM {p}work WHERE work_key = 'c'"))
+        assert (tuple(row), none.scalar_one()) == ((2, 5.5, 4), 0)
+        conn.rollback()
+
+    migrate.downgrade(engine, p, "0004")
+    with engine.connect() as conn:
+        back = conn.execute(text(f"SELECT work_key, epoch, seq, state_json, updated_at "
+                                 f"FROM {p}checkpoints ORDER BY work_key")).all()
+        conn.rollback()
+    assert [tuple(r) for r in back] == [("a", 2, 4, '{"at": "a"}', 5.5),
+                                        ("b", 2, 9, '{"at": "b"}', 5.5)]  # the orphan went
+    bare_store.migrate()
+    assert bare_store.load_checkpoint("b") == ('{"at": "b"}', 9)
+
+
+def test_workers_migrating_at_once_all_start(store_url: str, table_prefix: str) -> None:
+    """Several workers started together with ``resilient_auto_migrate`` on a fresh store all
+    migrate it: one does the work, the others find it done (without the lock, half of them
+    exited on a duplicate key of the version table)."""
+    stores = [Store(store_url, table_prefix) for _ in range(4)]
+    barrier = threading.Barrier(len(stores))
+    errors: list[BaseException] = []
+
+    def start(store: Store) -> None:
+        barrier.wait()
+        try:
+            store.ensure_schema(migrate_if_needed=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in stores]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        assert _diff(stores[0]) == []
+        assert migrate.current_revision(stores[0].engine, table_prefix) == migrate.head_revision()
+    finally:
+        for s in stores:
+            s.dispose()

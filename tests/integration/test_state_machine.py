@@ -247,7 +247,7 @@ class StoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         t = self.store.t
         with self.store.begin() as conn:
-            for table in (t.work, t.checkpoints, t.revocations, t.workers, t.forgotten):
+            for table in (t.work, t.revocations, t.workers, t.forgotten):
                 conn.execute(delete(table))
 
     # -- workers and processes ----------------------------------------------------------
@@ -334,11 +334,12 @@ class StoreMachine(RuleBasedStateMachine):
         return self.last_read if self.last_read is not None else self._rows()
 
     def _checkpoints(self) -> dict[str, tuple[str, int]]:
-        c = self.store.t.checkpoints
+        w = self.store.t.work
         with self.store.engine.connect() as conn:
-            rows = conn.execute(select(c.c.work_key, c.c.state_json, c.c.seq)).all()
+            rows = conn.execute(select(w.c.work_key, w.c.checkpoint_json, w.c.checkpoint_seq)
+                                .where(w.c.checkpoint_json.is_not(None))).all()
             conn.rollback()
-        return {r.work_key: (r.state_json, int(r.seq)) for r in rows}
+        return {r.work_key: (r.checkpoint_json, int(r.checkpoint_seq)) for r in rows}
 
     def _apply(self, op: str, fn: Callable[[], Any],
                touched: tuple[str, ...] = ()) -> tuple[dict[str, Stored], dict[str, Stored], Any]:

@@ -1,4 +1,4 @@
-"""Read-only admin views of the store: work, checkpoints, beat slots, contexts, workers.
+"""Read-only admin views of the store: work (with its checkpoint), beat slots, contexts, workers.
 
 Nothing here writes a row itself. The operator actions on work call
 :mod:`celery_resilient.ops.operations`, which checks every row again under its lock and says
@@ -23,7 +23,6 @@ from django.http import HttpRequest
 
 from celery_resilient.contrib.django.conf import runtime
 from celery_resilient.contrib.django.models import (
-    Checkpoint,
     Context,
     ScheduleMarker,
     ScheduleRun,
@@ -132,7 +131,6 @@ class WorkAdmin(ReadOnlyAdmin):
                     "deaths", "republished", "last_checkpoint", "updated")
     list_filter = ("state", LeaseFilter, "task_name", "owner_node")
     search_fields = ("work_key", "task_id", "task_name")
-    list_select_related = ("checkpoint",)
     actions = ["republish_selected", "cancel_selected", "retry_selected", "forget_selected"]
     fields = ("work_key", "task_name", "task_id", "state", "epoch", "owner_node",
               "incarnation", "owner_pid", "lease", "attempts", "deaths", "republished",
@@ -146,15 +144,15 @@ class WorkAdmin(ReadOnlyAdmin):
 
     @display(description="last checkpoint")
     def last_checkpoint(self, obj: Work) -> str:
-        cp = _checkpoint(obj)
-        if cp is None:
+        if obj.checkpoint_json is None:
             return "-"
-        return f"#{cp.seq} at {as_datetime(cp.updated_at):%Y-%m-%d %H:%M:%S} (epoch {cp.epoch})"
+        at = obj.checkpoint_at if obj.checkpoint_at is not None else obj.updated_at
+        epoch = obj.checkpoint_epoch if obj.checkpoint_epoch is not None else obj.epoch
+        return f"#{obj.checkpoint_seq} at {as_datetime(at):%Y-%m-%d %H:%M:%S} (epoch {epoch})"
 
     @display(description="checkpoint state")
     def checkpoint_state(self, obj: Work) -> str:
-        cp = _checkpoint(obj)
-        return "-" if cp is None else _pretty(cp.state_json)
+        return "-" if obj.checkpoint_json is None else _pretty(obj.checkpoint_json)
 
     @display(description="created", ordering="created_at")
     def created(self, obj: Work) -> Any:
@@ -264,14 +262,6 @@ class WorkAdmin(ReadOnlyAdmin):
 
 
 _PAST = {"cancel": "cancelled", "retry": "retried", "forget": "forgot"}
-
-
-def _checkpoint(obj: Work) -> Checkpoint | None:
-    try:
-        cp: Checkpoint = obj.checkpoint
-    except Checkpoint.DoesNotExist:
-        return None
-    return cp
 
 
 @admin.register(ScheduleRun)

@@ -10,8 +10,8 @@ the admin shows the store only when the store lives in that database.
 
 Every field comes from the table definitions in :mod:`celery_resilient.store.schema`
 (:func:`columns`), so a migration that adds a column reaches the admin without a second
-copy of the schema; a model only names what Django needs beyond the table (choices, the
-relation of a checkpoint to its work, one primary key where the table has a composite one).
+copy of the schema; a model only names what Django needs beyond the table (choices, one
+primary key where the table has a composite one).
 
 Times are stored as float seconds since the epoch (by the database's clock);
 :func:`as_datetime` gives aware datetimes for display.
@@ -89,15 +89,6 @@ Work = _model(
     columns(TABLES.work, state=models.CharField(max_length=16, choices=STATES)),
     __doc__="One unit of work (``<prefix>work``): its claim, lease, counters and message.",
     __str__=lambda self: str(self.work_key),
-)
-
-Checkpoint = _model(
-    "Checkpoint", TABLES.checkpoints, {},
-    columns(TABLES.checkpoints, pk="work_key", work_key=models.OneToOneField(
-        Work, primary_key=True, db_column="work_key", db_constraint=False,
-        on_delete=models.DO_NOTHING, related_name="checkpoint")),
-    __doc__="The last checkpoint of a unit of work (``<prefix>checkpoints``).",
-    __str__=lambda self: f"checkpoint {self.seq} of {self.pk}",
 )
 
 # The table's key is (entry, slot); its task id is derived from both (uuid5), so it is

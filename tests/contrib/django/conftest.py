@@ -68,7 +68,7 @@ def _empty(rt: Resilient) -> None:
     """The store writes outside Django's test transaction: clear its rows after each test."""
     t = rt.store.t
     with rt.store.begin() as conn:
-        for table in (t.work, t.checkpoints, t.steps, t.ledger, t.schedule_runs,
+        for table in (t.work, t.steps, t.ledger, t.schedule_runs,
                       t.schedule_markers, t.contexts, t.workers, t.revocations,
                       t.forgotten):
             conn.execute(table.delete())

@@ -47,7 +47,7 @@ def test_migrate_creates_the_schema_under_the_configured_prefix(
         assert f"prefix {prefix}) is at revision {head} (upgraded from nothing)" in first
         assert PASSWORD not in first and "postgres:***@" in first
         tables = set(inspect(store.engine).get_table_names())
-        assert {f"{prefix}work", f"{prefix}checkpoints", f"{prefix}contexts"} <= tables
+        assert {f"{prefix}work", f"{prefix}steps", f"{prefix}contexts"} <= tables
         assert migrations.current_revision(store.engine, prefix) == head
 
         again = _run("resilient_migrate")
