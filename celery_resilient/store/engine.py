@@ -85,11 +85,26 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
         ) from None
 
 
+#: libpq settings that bound how long a partitioned connection can hang (see _connect_args).
+PARTITION_TIMEOUTS: dict[str, int] = {"keepalives": 1, "keepalives_idle": 10,
+                                      "keepalives_interval": 5, "keepalives_count": 3,
+                                      "tcp_user_timeout": 30_000}
+
+
 def _connect_args(url: str) -> dict[str, Any]:
     parsed = make_url(url)
     if parsed.get_backend_name() != "postgresql":
         return {}
     args: dict[str, Any] = {"connect_timeout": 5}
+    # A server that vanishes behind a network partition never answers a statement already
+    # sent: without these, the call (and a warm shutdown waiting for that task) hangs until
+    # the kernel gives up retransmitting, about 15 minutes. TCP keepalives after 10 s idle,
+    # and 30 s at most for sent data to go unacknowledged, end it as a store outage instead.
+    # A server that is alive but slow still acknowledges, so a long statement is not cut.
+    # Values given in the URL's query win.
+    for name, value in PARTITION_TIMEOUTS.items():
+        if name not in parsed.query:
+            args[name] = value
     if parsed.get_driver_name() == "psycopg":
         # No server-side prepared statements: psycopg would prepare a statement on its fifth
         # run on a connection, and a prepared statement may get a generic plan that does not

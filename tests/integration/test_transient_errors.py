@@ -533,3 +533,23 @@ def test_sqlite_busy_atomic_is_unavailable_with_nothing_written(sqlite_store: St
     assert body == []  # the transaction never began: the block did not run
     assert _counts(sqlite_store, counter) == {1: 0, 2: 0}
     assert sqlite_store.ledger_get("k:atomic") is None
+
+
+def test_store_connections_bound_how_long_a_partition_can_hang(pg_url: str,
+                                                                 table_prefix: str) -> None:
+    """A statement sent to a server lost behind a network partition would wait for the
+    kernel's retransmissions (about 15 minutes), holding the task and any warm shutdown
+    behind it. Every store connection carries TCP keepalives and ``tcp_user_timeout``, so it
+    fails as an outage within about 30 s instead; a value given in the URL wins."""
+    url = pg_url + ("&" if "?" in pg_url else "?") + "keepalives_idle=7"
+    store = Store(url, table_prefix)
+    try:
+        for engine in store.engines:
+            with engine.connect() as conn:
+                params = conn.connection.dbapi_connection.info.get_parameters()  # type: ignore[union-attr]
+                conn.rollback()
+            assert {k: params.get(k) for k in engine_module.PARTITION_TIMEOUTS} == {
+                "keepalives": "1", "keepalives_idle": "7", "keepalives_interval": "5",
+                "keepalives_count": "3", "tcp_user_timeout": "30000"}
+    finally:
+        store.dispose()
