@@ -101,11 +101,12 @@ def _stopped_within(worker: LocalWorker, seconds: float) -> float:
 def test_sigterm_hands_running_work_to_another_worker(make_project: Callable[..., Project],
                                                       broker_url: str,
                                                       effect_log: EffectLog) -> None:
-    """Two workers, a 60 s task checkpointing every 0.25 s, SIGTERM to the one running it."""
+    """Two workers, a 24 s task checkpointing every 0.1 s, SIGTERM to the one running it:
+    it must exit within 10 s, which only a hand-off allows (its task has 23 s to go)."""
     project = make_project(broker_url)
     first, second = _worker(project, "w1"), _worker(project, "w2")
     client = _client(project)
-    steps, delay = 240, 0.25
+    steps, delay = 240, 0.1
     key = _send(client, steps, delay)
     wait_for(lambda: sum(_steps(effect_log, key).values()) >= 8, 60, "8 steps")
     stopping = _running_on(effect_log, key, first, second)
