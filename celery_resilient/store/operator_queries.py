@@ -339,6 +339,7 @@ class OperatorQueries:
                 [{"work_key": k, "epoch": e, "forgotten_at": at} for k, e in
                  conn.execute(select(w.c.work_key, w.c.epoch).where(w.c.work_key.in_(keys)))])
             count(conn, keys, steps=False)
+            self.store.delete_old_checkpoints(conn, keys)  # what the previous version reads
             counts["steps"] += conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
             conn.execute(delete(w).where(w.c.work_key.in_(keys),
                                          w.c.state.in_(FORGET_SOURCES)))

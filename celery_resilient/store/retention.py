@@ -124,6 +124,7 @@ def delete_finished_work(store: Store, cutoff: float, batch: int = PRUNE_BATCH) 
         keys = [str(k) for k, _ in gone]
         n_cp = sum(1 for _, seq in gone if seq)  # the checkpoint went with its work row
         n_steps = conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
+        store.delete_old_checkpoints(conn, keys)  # what the previous version would resume
     return WorkPruned(len(keys), int(n_cp), int(n_steps))
 
 

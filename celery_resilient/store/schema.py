@@ -37,6 +37,8 @@ class Tables:
     workers: Table
     revocations: Table
     forgotten: Table
+    #: Where checkpoints were kept before migration 0005 (see build_tables); only deleted from.
+    old_checkpoints: Table
 
 
 def build_tables(prefix: str = "resilient_") -> Tables:
@@ -81,11 +83,13 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Index(f"ix_{p}work_finished_at", "finished_at"),  # retention (store/retention.py)
     )
     # Where checkpoints were kept before migration 0005 moved them into the work row. Kept
-    # (and declared, so the migrations match this module) only so that a worker of the
-    # previous version still running during a rolling deploy saves its checkpoints
-    # somewhere instead of failing its tasks; this version never reads or writes it. A later
+    # (and declared, so the migrations match this module) only for workers of the previous
+    # version still running during a rolling deploy: they read and write it. This version
+    # never reads it and never writes a checkpoint there, but deletes a key's row wherever
+    # the previous version would have (a clear, a hand-back that clears, forget, retention),
+    # so an old worker never resumes work from a checkpoint that was cleared. A later
     # migration drops it.
-    Table(
+    old_checkpoints = Table(
         f"{p}checkpoints", md,
         Column("work_key", String(KEY), primary_key=True),
         Column("epoch", BigInteger, nullable=False),
@@ -178,4 +182,4 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Index(f"ix_{p}forgotten_forgotten_at", "forgotten_at"),
     )
     return Tables(md, work, steps, ledger, schedule_runs, schedule_markers,
-                  contexts, workers, revocations, forgotten)
+                  contexts, workers, revocations, forgotten, old_checkpoints)

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Engine,
     Row,
     and_,
+    delete,
     exists,
     func,
     or_,
@@ -680,6 +681,7 @@ class Store:
             self.fence(conn, work_key, epoch)
             if clear_checkpoint:
                 values.update(NO_CHECKPOINT)
+                self.delete_old_checkpoints(conn, [work_key])
             conn.execute(update(w).where(w.c.work_key == work_key).values(**values))
 
     @guarded
@@ -1103,6 +1105,14 @@ class Store:
         with self.begin() as conn:
             self.fence(conn, work_key, epoch)
             conn.execute(update(w).where(w.c.work_key == work_key).values(**NO_CHECKPOINT))
+            self.delete_old_checkpoints(conn, [work_key])
+
+    def delete_old_checkpoints(self, conn: Connection, keys: Sequence[str]) -> None:
+        """Delete these keys' rows of the pre-0005 checkpoint table, which workers of the
+        previous version still read during a rolling deploy: a checkpoint cleared here must
+        not be resumed from there (it skipped the work a retry or a fresh run must do)."""
+        old = self.t.old_checkpoints
+        conn.execute(delete(old).where(old.c.work_key.in_(list(keys))))
 
     # -- steps ------------------------------------------------------------------------------
 

@@ -9,13 +9,17 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from celery import Celery
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect, select, text
 
 from celery_resilient import Resilient
 from celery_resilient.errors import SchemaError
 from celery_resilient.store import migrate
+from celery_resilient.store.operator_queries import OperatorQueries, Selection
+from celery_resilient.store.retention import delete_finished_work
 from celery_resilient.store.schema import build_tables
 from celery_resilient.store.sql import Store
+
+from .helpers import owner, run
 
 TABLES = ("work", "checkpoints", "steps", "ledger", "schedule_runs", "schedule_markers",
           "contexts", "workers", "revocations", "forgotten")
@@ -198,3 +202,34 @@ def test_workers_migrating_at_once_all_start(store_url: str, table_prefix: str) 
     finally:
         for s in stores:
             s.dispose()
+
+
+def test_what_this_version_clears_is_gone_from_the_old_checkpoint_table(store: Store) -> None:
+    """During a rolling deploy a worker of the previous version reads ``<prefix>checkpoints``.
+    A checkpoint this version clears (``checkpoint.clear``, a retry's hand-back), forgets or
+    prunes must be gone from there too, or that worker resumes a fresh run past work it never
+    did (found by the adversarial review: a forgotten key re-submitted ran none of its rows)."""
+    old = store.t.old_checkpoints
+
+    def old_row(key: str) -> None:
+        with store.begin() as conn:
+            conn.execute(old.insert().values(work_key=key, epoch=1, seq=10,
+                                             state_json='{"i": 10}', updated_at=1.0))
+
+    def old_keys() -> set[str]:
+        with store.engine.connect() as conn:
+            keys = {str(k) for k in conn.execute(select(old.c.work_key)).scalars()}
+            conn.rollback()
+        return keys
+
+    for key in ("cleared", "handed", "forgotten", "pruned", "kept"):
+        old_row(key)
+    cleared = run(store, "cleared", owner())
+    store.clear_checkpoint("cleared", cleared.epoch)
+    handed = run(store, "handed", owner())
+    store.release("handed", handed.epoch, 60.0, clear_checkpoint=True)
+    for key in ("forgotten", "pruned"):
+        store.finish(key, run(store, key, owner()).epoch, "null")
+    OperatorQueries(store).forget(Selection(keys=("forgotten",)))
+    assert delete_finished_work(store, store.now() + 1).work == 1  # "pruned"
+    assert old_keys() == {"kept"}

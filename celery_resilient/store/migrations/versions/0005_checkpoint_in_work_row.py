@@ -7,11 +7,15 @@ Create Date: 2026-12-01
 ``<prefix>checkpoints`` held one row per unit of work (its last checkpoint); every save
 fenced the work row and upserted that one, two row writes per save. The upgrade copies each
 checkpoint into its work row (``checkpoint_json``, ``checkpoint_seq``, ``checkpoint_epoch``,
-``checkpoint_at``). The old table stays, unread, for the length of a rolling deploy: a
-worker of the previous version still running saves its checkpoints there instead of failing
-its tasks (work it hands off then resumes on a new worker from the checkpoint copied here,
-or from zero: done again, never lost); a later migration drops it. The downgrade writes the
-work rows' checkpoints back into it. Both rewrite every row that has a checkpoint in one
+``checkpoint_at``). The old table stays for the length of a rolling deploy: a worker of the
+previous version still running reads and writes its checkpoints there instead of failing its
+tasks. The new version never reads it, and deletes a key's row there wherever the previous
+version would have (clear, a retry's hand-back, forget, retention), so an old worker never
+resumes from a cleared checkpoint. Between the two versions a checkpoint can only be older
+than the last one saved: work handed from one version to the other resumes from the
+migration's copy, the other table's last save, or zero, and is done again from there, never
+skipped. A later migration drops the table. The downgrade writes the work rows' checkpoints
+back into it. Both rewrite every row that has a checkpoint in one
 transaction: on a large PostgreSQL store, run ``celery -A proj resilient migrate`` at a
 quiet moment.
 """
