@@ -219,9 +219,8 @@ class AdminQueries:
                                                  .order_by(lg.c.applied_at)).all())
             conn.rollback()
         checkpoint = None if row.checkpoint_json is None else CheckpointInfo(
-            int(row.checkpoint_epoch if row.checkpoint_epoch is not None else row.epoch),
-            int(row.checkpoint_seq), row.checkpoint_json,
-            float(row.checkpoint_at if row.checkpoint_at is not None else row.updated_at))
+            int(row.checkpoint_epoch), int(row.checkpoint_seq), row.checkpoint_json,
+            float(row.checkpoint_at))  # every save and migration 0005 set all four
         return WorkDetail(work_info(row), checkpoint, steps, ledger,
                           _route(row.message_json))
 

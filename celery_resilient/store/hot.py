@@ -64,6 +64,7 @@ class HotStatements:
                     incarnation=bindparam("inc"), owner_pid=bindparam("pid"),
                     lease_expires_at=now + bindparam("lease", type_=Float),
                     attempts=w.c.attempts + 1, task_id=bindparam("task_id"), error=None,
+                    checkpoint_takes=w.c.checkpoint_takes + 1,
                     retries=bindparam("retries", type_=Integer),
                     args_digest=func.coalesce(w.c.args_digest,
                                               bindparam("digest", type_=String)),
@@ -94,6 +95,7 @@ class HotStatements:
         self.fenced_checkpoint = self.fence.values(
             checkpoint_json=state, checkpoint_seq=w.c.checkpoint_seq + 1,
             checkpoint_epoch=bindparam("e", type_=BigInteger), checkpoint_at=now,
+            checkpoint_takes=0,
             deaths=case((progress, 0), else_=w.c.deaths),
             republished=case((progress, 0), else_=w.c.republished),
         ).returning(w.c.checkpoint_seq)

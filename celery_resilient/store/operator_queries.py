@@ -318,13 +318,12 @@ class OperatorQueries:
         w, s = self.t.work, self.t.steps
         counts = {"checkpoints": 0, "steps": 0}
 
-        def count(conn: Connection, keys: list[str], steps: bool = True) -> None:
+        def count(conn: Connection, keys: list[str]) -> None:
             counts["checkpoints"] += int(conn.execute(  # each goes with its work row
                 select(func.count()).select_from(w).where(
                     w.c.work_key.in_(keys), w.c.checkpoint_json.is_not(None))).scalar_one())
-            if steps:
-                counts["steps"] += int(conn.execute(select(func.count()).select_from(s).where(
-                    s.c.work_key.in_(keys))).scalar_one())
+            counts["steps"] += int(conn.execute(select(func.count()).select_from(s).where(
+                s.c.work_key.in_(keys))).scalar_one())
 
         def act(conn: Connection, rows: list[Any]) -> list[Target]:
             keys = [r.work_key for r in rows]
@@ -338,11 +337,13 @@ class OperatorQueries:
                 set_={"epoch": ins.excluded.epoch, "forgotten_at": ins.excluded.forgotten_at}),
                 [{"work_key": k, "epoch": e, "forgotten_at": at} for k, e in
                  conn.execute(select(w.c.work_key, w.c.epoch).where(w.c.work_key.in_(keys)))])
-            count(conn, keys, steps=False)
             self.store.delete_old_checkpoints(conn, keys)  # what the previous version reads
             counts["steps"] += conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
-            conn.execute(delete(w).where(w.c.work_key.in_(keys),
-                                         w.c.state.in_(FORGET_SOURCES)))
+            gone = conn.execute(delete(w).where(w.c.work_key.in_(keys),
+                                                w.c.state.in_(FORGET_SOURCES))
+                                .returning(w.c.checkpoint_seq)).all()
+            # each checkpoint goes with its work row (checkpoint_seq > 0: see retention)
+            counts["checkpoints"] += sum(1 for (seq,) in gone if seq)
             return [_target(r) for r in rows]
 
         def preview(conn: Connection, rows: list[Any]) -> list[Target]:

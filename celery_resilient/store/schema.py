@@ -37,7 +37,7 @@ class Tables:
     workers: Table
     revocations: Table
     forgotten: Table
-    #: Where checkpoints were kept before migration 0005 (see build_tables); only deleted from.
+    #: Where checkpoints were kept before migration 0005 (see build_tables).
     old_checkpoints: Table
 
 
@@ -77,6 +77,10 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("checkpoint_seq", BigInteger, nullable=False, default=0, server_default="0"),
         Column("checkpoint_epoch", BigInteger, nullable=True),
         Column("checkpoint_at", Float, nullable=True),
+        # Takes by this version since the checkpoint was saved (migration 0006): a
+        # checkpoint is resumed only if no take of another version came between (a worker
+        # of the pre-0005 version may have cleared it in the table it keeps).
+        Column("checkpoint_takes", BigInteger, nullable=False, default=0, server_default="0"),
         Index(f"ix_{p}work_state_lease", "state", "lease_expires_at"),
         Index(f"ix_{p}work_incarnation", "incarnation"),
         Index(f"ix_{p}work_task_id", "task_id"),  # revokes and operators find work by task id
@@ -85,10 +89,11 @@ def build_tables(prefix: str = "resilient_") -> Tables:
     # Where checkpoints were kept before migration 0005 moved them into the work row. Kept
     # (and declared, so the migrations match this module) only for workers of the previous
     # version still running during a rolling deploy: they read and write it. This version
-    # never reads it and never writes a checkpoint there, but deletes a key's row wherever
-    # the previous version would have (a clear, a hand-back that clears, forget, retention),
-    # so an old worker never resumes work from a checkpoint that was cleared. A later
-    # migration drops it.
+    # never writes a checkpoint there; it deletes a key's row wherever the previous version
+    # would have (a clear, a hand-back that clears, forget, retention), so an old worker
+    # never resumes work from a checkpoint that was cleared, and reads it only when a take of
+    # the previous version came after the work row's checkpoint (``checkpoint_takes``,
+    # migration 0006). A later migration drops it.
     old_checkpoints = Table(
         f"{p}checkpoints", md,
         Column("work_key", String(KEY), primary_key=True),

@@ -591,6 +591,7 @@ class Store:
             state=RUNNING, epoch=epoch, owner_node=owner.node, incarnation=owner.incarnation,
             owner_pid=owner.pid, lease_expires_at=now + lease_seconds,
             attempts=row.attempts + 1, deaths=deaths, task_id=task_id, error=None,
+            checkpoint_takes=w.c.checkpoint_takes + 1,
             retries=retries, args_digest=func.coalesce(w.c.args_digest, args_digest),
             result_json=None, finished_at=None, updated_at=now,
         ))
@@ -1083,12 +1084,25 @@ class Store:
 
     @guarded
     def load_checkpoint(self, work_key: str) -> tuple[str, int] | None:
-        w = self.t.work
+        """The checkpoint to resume from: the work row's, unless a take of the pre-0005
+        version came after it was saved (migration 0006); then the row that version keeps,
+        or none if it cleared it. Never later than the last one saved, so nothing is skipped."""
+        w, old = self.t.work, self.t.old_checkpoints
         with self.engine.connect() as conn:
-            row = conn.execute(select(w.c.checkpoint_json, w.c.checkpoint_seq).where(
-                w.c.work_key == work_key, w.c.checkpoint_json.is_not(None))).first()
+            row = conn.execute(
+                select(w.c.checkpoint_json, w.c.checkpoint_seq, w.c.epoch, w.c.checkpoint_epoch,
+                       w.c.checkpoint_takes, old.c.state_json, old.c.seq)
+                .outerjoin(old, old.c.work_key == w.c.work_key)
+                .where(w.c.work_key == work_key)).first()
             conn.rollback()
-        return None if row is None else (row.checkpoint_json, int(row.checkpoint_seq))
+        if row is None:
+            return None
+        if row.checkpoint_json is not None and row.checkpoint_epoch is not None and (
+                row.epoch - row.checkpoint_epoch == row.checkpoint_takes):
+            return row.checkpoint_json, int(row.checkpoint_seq)
+        if row.state_json is not None:
+            return row.state_json, int(row.seq)
+        return None
 
     @guarded
     def save_checkpoint(self, work_key: str, epoch: int, state_json: str) -> int:

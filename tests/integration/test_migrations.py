@@ -233,3 +233,85 @@ def test_what_this_version_clears_is_gone_from_the_old_checkpoint_table(store: S
     OperatorQueries(store).forget(Selection(keys=("forgotten",)))
     assert delete_finished_work(store, store.now() + 1).work == 1  # "pruned"
     assert old_keys() == {"kept"}
+
+
+class _PreviousVersion:
+    """What a worker of the pre-0005 version does to the store, statement for statement:
+    its take moves the epoch and knows nothing of the work row's checkpoint columns; its
+    checkpoints live in ``<prefix>checkpoints``."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.w, self.old = store, store.t.work, store.t.old_checkpoints
+
+    def take(self, key: str) -> int:
+        w = self.w
+        with self.store.begin() as conn:
+            conn.execute(w.update().where(w.c.work_key == key).values(
+                state="running", epoch=w.c.epoch + 1, attempts=w.c.attempts + 1))
+            return int(conn.execute(select(w.c.epoch).where(w.c.work_key == key)).scalar_one())
+
+    def save(self, key: str, epoch: int, state_json: str) -> None:
+        with self.store.begin() as conn:
+            conn.execute(self.old.delete().where(self.old.c.work_key == key))
+            conn.execute(self.old.insert().values(work_key=key, epoch=epoch, seq=1,
+                                                  state_json=state_json, updated_at=1.0))
+
+    def hand_back(self, key: str, clear: bool = False) -> None:
+        """Requeued; with ``clear``, as ``checkpoint.clear()`` or a ``self.replace``
+        continuing the key."""
+        with self.store.begin() as conn:
+            if clear:
+                conn.execute(self.old.delete().where(self.old.c.work_key == key))
+            conn.execute(self.w.update().where(self.w.c.work_key == key).values(
+                state="requeued"))
+
+
+def test_a_checkpoint_the_previous_version_cleared_is_not_resumed(store: Store) -> None:
+    """Rolling deploy across 0005: a checkpoint saved in the work row, then the work ran on a
+    worker of the previous version, which cleared it (in the table it keeps) and handed the
+    work on. The next execution here must start from zero; it resumed past the cleared
+    checkpoint, skipping work, before migration 0006."""
+    prev = _PreviousVersion(store)
+    first = run(store, "k", owner())
+    store.save_checkpoint("k", first.epoch, '{"i": 7}')
+    store.release("k", first.epoch, 60.0)
+    prev.take("k")
+    prev.hand_back("k", clear=True)  # deletes nothing: its table never had this checkpoint
+    run(store, "k", owner())
+    assert store.load_checkpoint("k") is None
+
+
+def test_across_versions_the_newest_checkpoint_or_an_earlier_one_is_resumed(
+        store: Store) -> None:
+    """Which checkpoint an execution resumes from when the two versions took turns: never one
+    later than the last saved by either (that would skip work)."""
+    prev = _PreviousVersion(store)
+    old = store.t.old_checkpoints
+    with store.begin() as conn:  # a checkpoint the previous version saved before the deploy
+        conn.execute(old.insert().values(work_key="k", epoch=0, seq=3, state_json='{"i": 3}',
+                                         updated_at=1.0))
+    first = run(store, "k", owner())
+    store.save_checkpoint("k", first.epoch, '{"i": 5}')
+    store.release("k", first.epoch, 60.0)
+    second = run(store, "k", owner())  # only this version since the save: the work row's
+    assert store.load_checkpoint("k") == ('{"i": 5}', 1)
+    store.release("k", second.epoch, 60.0)
+
+    epoch = prev.take("k")  # the previous version resumes from its own (older) row, saves
+    prev.save("k", epoch, '{"i": 8}')
+    prev.hand_back("k")
+    third = run(store, "k", owner())
+    assert store.load_checkpoint("k") == ('{"i": 8}', 1)  # its save is the newest
+    store.release("k", third.epoch, 60.0)
+
+    fourth = run(store, "k", owner())  # still no save here since the other version's take
+    assert store.load_checkpoint("k") == ('{"i": 8}', 1)
+    store.save_checkpoint("k", fourth.epoch, '{"i": 9}')  # a save here: its own again
+    store.release("k", fourth.epoch, 60.0)
+    run(store, "k", owner())
+    assert store.load_checkpoint("k") == ('{"i": 9}', 2)
+
+    prev.take("k")
+    prev.hand_back("k", clear=True)
+    run(store, "k", owner())
+    assert store.load_checkpoint("k") is None  # cleared there, taken here: from zero

@@ -146,9 +146,8 @@ class WorkAdmin(ReadOnlyAdmin):
     def last_checkpoint(self, obj: Work) -> str:
         if obj.checkpoint_json is None:
             return "-"
-        at = obj.checkpoint_at if obj.checkpoint_at is not None else obj.updated_at
-        epoch = obj.checkpoint_epoch if obj.checkpoint_epoch is not None else obj.epoch
-        return f"#{obj.checkpoint_seq} at {as_datetime(at):%Y-%m-%d %H:%M:%S} (epoch {epoch})"
+        at = as_datetime(obj.checkpoint_at)  # set with checkpoint_json by every save
+        return f"#{obj.checkpoint_seq} at {at:%Y-%m-%d %H:%M:%S} (epoch {obj.checkpoint_epoch})"
 
     @display(description="checkpoint state")
     def checkpoint_state(self, obj: Work) -> str:

@@ -9,14 +9,13 @@ fenced the work row and upserted that one, two row writes per save. The upgrade 
 checkpoint into its work row (``checkpoint_json``, ``checkpoint_seq``, ``checkpoint_epoch``,
 ``checkpoint_at``). The old table stays for the length of a rolling deploy: a worker of the
 previous version still running reads and writes its checkpoints there instead of failing its
-tasks. The new version never reads it, and deletes a key's row there wherever the previous
-version would have (clear, a retry's hand-back, forget, retention), so an old worker never
-resumes from a checkpoint the new version cleared. The reverse is not covered: an old
-worker's clear deletes only the old row, and a new worker would resume from the work row's
-checkpoint (docs/reliability.md: stop old workers before migrating if tasks clear
-checkpoints). Otherwise, between the two versions a checkpoint can only be older than the
-last one saved: work handed from one version to the other resumes from the migration's copy,
-the other table's last save, or zero, and is done again from there. A later migration drops
+tasks. The new version never writes a checkpoint there, and deletes a key's row wherever
+the previous version would have (clear, a retry's hand-back, forget, retention), so an old
+worker never resumes from a checkpoint the new version cleared. The reverse (an old worker's
+clear, seen only in its table) is covered by migration 0006. Between the two versions a
+checkpoint can only be older than the last one saved: work handed from one version to the
+other resumes from the migration's copy, the other table's last save, or zero, and is done
+again from there. A later migration drops
 the table. The downgrade writes the work rows' checkpoints
 back into it. Both rewrite every row that has a checkpoint in one
 transaction: on a large PostgreSQL store, run ``celery -A proj resilient migrate`` at a
