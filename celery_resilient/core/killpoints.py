@@ -19,6 +19,9 @@ Points, in the order a task reaches them:
 ``before_ack``
     the result and ``done`` state committed, the broker message not yet acknowledged: the
     redelivered copy must return the stored result and run nothing.
+``mid_prune``
+    inside a retention batch's transaction: finished work rows deleted, their steps not yet
+    (the batch must be rolled back whole).
 
 ``<nth>`` (default 1) counts the times the point is reached in one process. By default the
 whole process group is killed (the worker's main process and its pool, as ``kill -9`` of a
@@ -42,7 +45,7 @@ from collections import Counter
 ENV = "RESILIENT_KILL_AT"
 ONCE_ENV = "RESILIENT_KILL_ONCE"
 SCOPE_ENV = "RESILIENT_KILL_SCOPE"
-POINTS = ("before_ack", "after_checkpoint", "after_step", "after_effect")
+POINTS = ("before_ack", "after_checkpoint", "after_step", "after_effect", "mid_prune")
 
 
 def parse(spec: str | None) -> dict[str, int]:

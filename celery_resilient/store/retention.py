@@ -28,6 +28,7 @@ from typing import Any
 
 from sqlalchemy import and_, delete, exists, func, select, tuple_
 
+from celery_resilient.core import killpoints
 from celery_resilient.core.states import OPEN_STATES, SENT, SKIPPED, STARTED, TERMINAL_STATES
 from celery_resilient.store.schema import Tables
 from celery_resilient.store.sql import Store, guarded
@@ -123,6 +124,8 @@ def delete_finished_work(store: Store, cutoff: float, batch: int = PRUNE_BATCH) 
             return WorkPruned()
         keys = [str(k) for k, _ in gone]
         n_cp = sum(1 for _, seq in gone if seq)  # the checkpoint went with its work row
+        if killpoints.ARMED:
+            killpoints.reached("mid_prune")
         n_steps = conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
         store.delete_old_checkpoints(conn, keys)  # what the previous version would resume
     return WorkPruned(len(keys), int(n_cp), int(n_steps))

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -141,6 +144,35 @@ def test_each_call_deletes_at_most_one_batch(store: Store) -> None:
     assert count(store, "steps") == 0
     cut = cutoff(store, 30 * DAY)
     assert [retention.delete_ledger_markers(store, cut, 10) for _ in range(4)] == [10, 10, 3, 0]
+
+
+PRUNE_LOOP = """
+import sys
+from celery_resilient.store.retention import delete_finished_work
+from celery_resilient.store.sql import Store
+store = Store(sys.argv[1], sys.argv[2])
+while (n := delete_finished_work(store, store.now(), 10).work):
+    print(n, flush=True)
+"""
+
+
+def test_a_sigkill_inside_a_prune_batch_loses_none_of_it(store: Store) -> None:
+    """A process SIGKILLed inside a batch's transaction (work rows deleted, their steps not
+    yet: the ``mid_prune`` kill point) deletes nothing of that batch: every work row left
+    keeps its checkpoint and steps, and the next prune finishes the job."""
+    for i in range(40):
+        add_work(store, f"w{i:02d}", "done", 10 * DAY, steps=2)
+    env = {**os.environ, "RESILIENT_KILL_AT": "mid_prune:3", "RESILIENT_KILL_SCOPE": "process"}
+    proc = subprocess.run([sys.executable, "-c", PRUNE_LOOP, store.url, store.prefix],
+                          check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["10", "10"]  # two batches committed, the third killed
+    assert count(store, "work") == 20
+    left = keys(store, "work", "work_key")
+    assert checkpointed(store) == keys(store, "steps", "work_key") == left
+    assert count(store, "steps") == 40
+    assert retention.delete_finished_work(store, cutoff(store, DAY), 500) == retention.WorkPruned(
+        work=20, checkpoints=20, steps=40)
 
 
 def test_oldest_rows_go_first(store: Store) -> None:
