@@ -79,8 +79,9 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("checkpoint_at", Float, nullable=True),
         # Takes by this version since the checkpoint was saved (migration 0006): a
         # checkpoint is resumed only if no take of another version came between (a worker
-        # of the pre-0005 version may have cleared it in the table it keeps).
-        Column("checkpoint_takes", BigInteger, nullable=False, default=0, server_default="0"),
+        # of the pre-0005 version may have cleared it in the table it keeps). NULL: still
+        # 0005's copy of that table's row, which stays the one resumed.
+        Column("checkpoint_takes", BigInteger, nullable=True, default=0, server_default="0"),
         Index(f"ix_{p}work_state_lease", "state", "lease_expires_at"),
         Index(f"ix_{p}work_incarnation", "incarnation"),
         Index(f"ix_{p}work_task_id", "task_id"),  # revokes and operators find work by task id

@@ -1085,8 +1085,9 @@ class Store:
     @guarded
     def load_checkpoint(self, work_key: str) -> tuple[str, int] | None:
         """The checkpoint to resume from: the work row's, unless a take of the pre-0005
-        version came after it was saved (migration 0006); then the row that version keeps,
-        or none if it cleared it. Never later than the last one saved, so nothing is skipped."""
+        version came after it was saved or it is still migration 0005's copy (migration
+        0006); then the row that version keeps, or none if it cleared it. Never later than
+        the last one saved, so nothing is skipped."""
         w, old = self.t.work, self.t.old_checkpoints
         with self.engine.connect() as conn:
             row = conn.execute(
@@ -1097,8 +1098,9 @@ class Store:
             conn.rollback()
         if row is None:
             return None
-        if row.checkpoint_json is not None and row.checkpoint_epoch is not None and (
-                row.epoch - row.checkpoint_epoch == row.checkpoint_takes):
+        if (row.checkpoint_json is not None and row.checkpoint_epoch is not None
+                and row.checkpoint_takes is not None
+                and row.epoch - row.checkpoint_epoch == row.checkpoint_takes):
             return row.checkpoint_json, int(row.checkpoint_seq)
         if row.state_json is not None:
             return row.state_json, int(row.seq)

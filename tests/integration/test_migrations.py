@@ -315,3 +315,65 @@ def test_across_versions_the_newest_checkpoint_or_an_earlier_one_is_resumed(
     prev.hand_back("k", clear=True)
     run(store, "k", owner())
     assert store.load_checkpoint("k") is None  # cleared there, taken here: from zero
+
+
+def _running_under_the_previous_version(store: Store) -> None:
+    """At 0004: ``k`` running at epoch 1 on a worker of the previous version, which saved
+    checkpoint #18 in its table; then the store is migrated to head under it."""
+    p, engine = store.prefix, store.engine
+    migrate.upgrade(engine, p, "0004")
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, "
+            f"deaths, republished, retries, created_at, updated_at) VALUES "
+            f"('k', 't', 'k', 'running', 1, 1, 0, 0, 0, 1.0, 2.0)"))
+        conn.execute(text(f"INSERT INTO {p}checkpoints VALUES ('k', 1, 18, '{{\"i\": 18}}', 2.0)"))
+    store.migrate()
+
+
+@pytest.mark.parametrize("how", ["clear", "replace"])
+def test_a_copied_checkpoint_the_old_worker_then_clears_is_not_resumed(
+        bare_store: Store, how: str) -> None:
+    """The adversarial review's case: the store migrated under a running old worker, which
+    then clears its checkpoint (and, for ``clear``, saves #1 of the fresh run) in its table
+    within the same epoch. A new worker must resume that, or zero: it resumed the copy."""
+    prev = _PreviousVersion(bare_store)
+    _running_under_the_previous_version(bare_store)
+    if how == "clear":
+        prev.hand_back("k", clear=True)
+        prev.save("k", 1, '{"i": 7}')
+    else:
+        prev.hand_back("k", clear=True)
+    run(bare_store, "k", owner())
+    expected = ('{"i": 7}', 1) if how == "clear" else None
+    assert bare_store.load_checkpoint("k") == expected
+
+
+def test_a_copied_checkpoint_is_resumed_when_the_old_worker_left_it(bare_store: Store) -> None:
+    """An ordinary upgrade: the copy is what the old table holds, so it is resumed as it is,
+    and a save here makes the work row's checkpoint the one resumed from then on."""
+    _running_under_the_previous_version(bare_store)
+    with bare_store.begin() as conn:  # the old worker died; its claim lapsed
+        conn.execute(text(f"UPDATE {bare_store.prefix}work SET state = 'requeued'"))
+    claim = run(bare_store, "k", owner())
+    assert bare_store.load_checkpoint("k") == ('{"i": 18}', 18)
+    bare_store.save_checkpoint("k", claim.epoch, '{"i": 19}')
+    bare_store.release("k", claim.epoch, 60.0)
+    run(bare_store, "k", owner())
+    assert bare_store.load_checkpoint("k") == ('{"i": 19}', 19)
+
+
+def test_upgrading_from_0005_keeps_resuming_what_0005_saved(bare_store: Store) -> None:
+    """A checkpoint a 0005 worker saved, whose work a 0005 worker took again before 0006 ran
+    (the deploy killed it before its next save), is resumed after the upgrade, not redone."""
+    p, engine = bare_store.prefix, bare_store.engine
+    migrate.upgrade(engine, p, "0005")
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, "
+            f"deaths, republished, retries, created_at, updated_at, checkpoint_json, "
+            f"checkpoint_seq, checkpoint_epoch, checkpoint_at) VALUES "
+            f"('k', 't', 'k', 'requeued', 3, 3, 0, 0, 0, 1.0, 2.0, '{{\"i\": 20}}', 4, 1, 2.0)"))
+    bare_store.migrate()
+    run(bare_store, "k", owner())
+    assert bare_store.load_checkpoint("k") == ('{"i": 20}', 4)

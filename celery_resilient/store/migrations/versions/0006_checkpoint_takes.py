@@ -11,14 +11,21 @@ own row; the work row kept its checkpoint, and a worker of this version resumed 
 from it, skipping what that checkpoint covered (lost work).
 
 ``checkpoint_takes`` counts the takes made by this version since the work row's checkpoint
-was saved (a save sets it to 0, each take adds 1). Every take adds 1 to the epoch, so the
-checkpoint was saved with no take of another version since exactly when ``epoch -
-checkpoint_epoch == checkpoint_takes``. Only then is it resumed; otherwise the execution
-resumes from the old table's row, which the other version's takes read and wrote, or from zero
-if it cleared it. Either is never later than the last checkpoint any version saved, so work
-handed between the versions is done again from an earlier point, never skipped. Existing rows
-start at 0: a checkpoint copied by 0005 or saved before this revision counts as another
-version's when a take followed it, and is then read from the old table, or not at all.
+was saved (a save sets it to 0, each take adds 1). Every take adds 1 to the epoch, so no take
+of another version came after the save exactly when ``epoch - checkpoint_epoch ==
+checkpoint_takes``; only then is the work row's checkpoint resumed. Otherwise the execution
+resumes from the old table's row, which the other version read and wrote, or from zero if it
+cleared it: never later than the last checkpoint any version saved, so work handed between
+the versions is done again from an earlier point, never skipped.
+
+NULL marks a checkpoint of open work that is still 0005's copy of the old table's row: the
+old worker running that work may save or clear there after the migration, within the same
+epoch, so the old row stays the one resumed (the adversarial review found the copy resumed
+after such a clear). Both run in the migration's transaction, behind 0005's and this
+revision's ``ALTER TABLE`` of the work table, which every write of the previous version
+waits for (each touches the work row), so no change to the old table falls between the copy
+and the mark. A checkpoint of open work saved by a 0005 worker gets the takes since its save
+counted as this version's (0005 workers read and cleared the work row as this one does).
 """
 
 from __future__ import annotations
@@ -33,11 +40,24 @@ down_revision = "0005"
 branch_labels = None
 depends_on = None
 
+OPEN = "('reserved', 'running', 'requeued')"
+
 
 def upgrade() -> None:
-    with op.batch_alter_table(f"{table_prefix()}work") as batch:
-        batch.add_column(sa.Column("checkpoint_takes", sa.BigInteger, nullable=False,
+    p = table_prefix()
+    work, old = f"{p}work", f"{p}checkpoints"
+    with op.batch_alter_table(work) as batch:
+        batch.add_column(sa.Column("checkpoint_takes", sa.BigInteger, nullable=True,
                                    server_default="0"))
+    checkpointed_open = f"state IN {OPEN} AND checkpoint_json IS NOT NULL"
+    op.execute(
+        f"UPDATE {work} SET checkpoint_takes = NULL WHERE {checkpointed_open} AND EXISTS ("
+        f"SELECT 1 FROM {old} c WHERE c.work_key = {work}.work_key AND "
+        f"c.epoch = {work}.checkpoint_epoch AND c.seq = {work}.checkpoint_seq AND "
+        f"c.state_json = {work}.checkpoint_json)")
+    op.execute(
+        f"UPDATE {work} SET checkpoint_takes = epoch - checkpoint_epoch WHERE "
+        f"{checkpointed_open} AND checkpoint_takes IS NOT NULL AND checkpoint_epoch IS NOT NULL")
 
 
 def downgrade() -> None:
