@@ -377,3 +377,27 @@ def test_upgrading_from_0005_keeps_resuming_what_0005_saved(bare_store: Store) -
     bare_store.migrate()
     run(bare_store, "k", owner())
     assert bare_store.load_checkpoint("k") == ('{"i": 20}', 4)
+
+
+def test_a_store_at_0005_whose_old_worker_saved_again_resumes_that_save(
+        bare_store: Store) -> None:
+    """The second review's case: migrated to 0005 under a running old worker, which then
+    cleared and saved the fresh run's #1 in its table; 0006 runs with that worker still on
+    the claim. The new worker must resume #1, not the copy (rows skipped before)."""
+    p, engine = bare_store.prefix, bare_store.engine
+    migrate.upgrade(engine, p, "0004")
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, "
+            f"deaths, republished, retries, created_at, updated_at) VALUES "
+            f"('k', 't', 'k', 'running', 1, 1, 0, 0, 0, 1.0, 2.0)"))
+        conn.execute(text(f"INSERT INTO {p}checkpoints VALUES ('k', 1, 27, '{{\"i\": 27}}', 2.0)"))
+    migrate.upgrade(engine, p, "0005")
+    with engine.begin() as conn:  # the old worker's clear, then its first save
+        conn.execute(text(f"DELETE FROM {p}checkpoints"))
+        conn.execute(text(f"INSERT INTO {p}checkpoints VALUES ('k', 1, 1, '{{\"i\": 5}}', 3.0)"))
+    bare_store.migrate()
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {p}work SET state = 'requeued'"))  # SIGKILLed; lapsed
+    run(bare_store, "k", owner())
+    assert bare_store.load_checkpoint("k") == ('{"i": 5}', 1)

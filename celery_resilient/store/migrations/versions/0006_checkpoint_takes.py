@@ -18,14 +18,19 @@ resumes from the old table's row, which the other version read and wrote, or fro
 cleared it: never later than the last checkpoint any version saved, so work handed between
 the versions is done again from an earlier point, never skipped.
 
-NULL marks a checkpoint of open work that is still 0005's copy of the old table's row: the
-old worker running that work may save or clear there after the migration, within the same
-epoch, so the old row stays the one resumed (the adversarial review found the copy resumed
-after such a clear). Both run in the migration's transaction, behind 0005's and this
+NULL marks a checkpoint of open work whose old-table row was saved in the same claim or a
+later one (``epoch >= checkpoint_epoch``): 0005's copy, or a save of an old worker after the
+copy. The old worker running that work may still save or clear there after the migration,
+within the same epoch, so the old row stays the one resumed (the adversarial review found
+the copy resumed after such a clear). A 0005 worker's save always has a later epoch than any
+old row, so it is not marked. Both run in the migration's transaction, behind 0005's and this
 revision's ``ALTER TABLE`` of the work table, which every write of the previous version
 waits for (each touches the work row), so no change to the old table falls between the copy
 and the mark. A checkpoint of open work saved by a 0005 worker gets the takes since its save
 counted as this version's (0005 workers read and cleared the work row as this one does).
+Not repaired: on a store migrated to 0005 by a development build while old workers ran, an
+old worker's clear made before this revision left no old row to compare with, and its
+copy is then resumed as a 0005 save would be (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -53,8 +58,7 @@ def upgrade() -> None:
     op.execute(
         f"UPDATE {work} SET checkpoint_takes = NULL WHERE {checkpointed_open} AND EXISTS ("
         f"SELECT 1 FROM {old} c WHERE c.work_key = {work}.work_key AND "
-        f"c.epoch = {work}.checkpoint_epoch AND c.seq = {work}.checkpoint_seq AND "
-        f"c.state_json = {work}.checkpoint_json)")
+        f"c.epoch >= {work}.checkpoint_epoch)")
     op.execute(
         f"UPDATE {work} SET checkpoint_takes = epoch - checkpoint_epoch WHERE "
         f"{checkpointed_open} AND checkpoint_takes IS NOT NULL AND checkpoint_epoch IS NOT NULL")
