@@ -1085,9 +1085,9 @@ class Store:
     @guarded
     def load_checkpoint(self, work_key: str) -> tuple[str, int] | None:
         """The checkpoint to resume from: the work row's, unless a take of the pre-0005
-        version came after it was saved or it is still migration 0005's copy (migration
-        0006); then the row that version keeps, or none if it cleared it. Never later than
-        the last one saved, so nothing is skipped."""
+        version came after it was saved, or migration 0006 marked it (NULL takes: the old
+        row is as new or newer); then the row that version keeps, or none if it cleared it.
+        Never later than the last one saved, so nothing is skipped."""
         w, old = self.t.work, self.t.old_checkpoints
         with self.engine.connect() as conn:
             row = conn.execute(

@@ -317,18 +317,25 @@ def test_across_versions_the_newest_checkpoint_or_an_earlier_one_is_resumed(
     assert store.load_checkpoint("k") is None  # cleared there, taken here: from zero
 
 
-def _running_under_the_previous_version(store: Store) -> None:
+def _work_row(conn: Any, prefix: str, state: str, epoch: int, **more: object) -> None:
+    """Work ``k`` as any schema revision holds it, with ``more`` columns of later ones."""
+    values: dict[str, object] = {
+        "work_key": "k", "task_name": "t", "task_id": "k", "state": state, "epoch": epoch,
+        "attempts": epoch, "deaths": 0, "republished": 0, "retries": 0, "created_at": 1.0,
+        "updated_at": 2.0, **more}
+    conn.execute(text(f"INSERT INTO {prefix}work ({', '.join(values)}) VALUES "
+                      f"({', '.join(':' + c for c in values)})"), values)
+
+
+def _running_under_the_previous_version(store: Store, to: str = "head") -> None:
     """At 0004: ``k`` running at epoch 1 on a worker of the previous version, which saved
-    checkpoint #18 in its table; then the store is migrated to head under it."""
+    checkpoint #18 in its table; then the store is migrated to ``to`` under it."""
     p, engine = store.prefix, store.engine
     migrate.upgrade(engine, p, "0004")
     with engine.begin() as conn:
-        conn.execute(text(
-            f"INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, "
-            f"deaths, republished, retries, created_at, updated_at) VALUES "
-            f"('k', 't', 'k', 'running', 1, 1, 0, 0, 0, 1.0, 2.0)"))
+        _work_row(conn, p, "running", 1)
         conn.execute(text(f"INSERT INTO {p}checkpoints VALUES ('k', 1, 18, '{{\"i\": 18}}', 2.0)"))
-    store.migrate()
+    migrate.upgrade(engine, p, to)
 
 
 @pytest.mark.parametrize("how", ["clear", "replace"])
@@ -369,11 +376,8 @@ def test_upgrading_from_0005_keeps_resuming_what_0005_saved(bare_store: Store) -
     p, engine = bare_store.prefix, bare_store.engine
     migrate.upgrade(engine, p, "0005")
     with engine.begin() as conn:
-        conn.execute(text(
-            f"INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, "
-            f"deaths, republished, retries, created_at, updated_at, checkpoint_json, "
-            f"checkpoint_seq, checkpoint_epoch, checkpoint_at) VALUES "
-            f"('k', 't', 'k', 'requeued', 3, 3, 0, 0, 0, 1.0, 2.0, '{{\"i\": 20}}', 4, 1, 2.0)"))
+        _work_row(conn, p, "requeued", 3, checkpoint_json='{"i": 20}', checkpoint_seq=4,
+                  checkpoint_epoch=1, checkpoint_at=2.0)
     bare_store.migrate()
     run(bare_store, "k", owner())
     assert bare_store.load_checkpoint("k") == ('{"i": 20}', 4)
@@ -385,14 +389,7 @@ def test_a_store_at_0005_whose_old_worker_saved_again_resumes_that_save(
     cleared and saved the fresh run's #1 in its table; 0006 runs with that worker still on
     the claim. The new worker must resume #1, not the copy (rows skipped before)."""
     p, engine = bare_store.prefix, bare_store.engine
-    migrate.upgrade(engine, p, "0004")
-    with engine.begin() as conn:
-        conn.execute(text(
-            f"INSERT INTO {p}work (work_key, task_name, task_id, state, epoch, attempts, "
-            f"deaths, republished, retries, created_at, updated_at) VALUES "
-            f"('k', 't', 'k', 'running', 1, 1, 0, 0, 0, 1.0, 2.0)"))
-        conn.execute(text(f"INSERT INTO {p}checkpoints VALUES ('k', 1, 27, '{{\"i\": 27}}', 2.0)"))
-    migrate.upgrade(engine, p, "0005")
+    _running_under_the_previous_version(bare_store, to="0005")
     with engine.begin() as conn:  # the old worker's clear, then its first save
         conn.execute(text(f"DELETE FROM {p}checkpoints"))
         conn.execute(text(f"INSERT INTO {p}checkpoints VALUES ('k', 1, 1, '{{\"i\": 5}}', 3.0)"))
