@@ -10,6 +10,7 @@ from typing import Any
 
 from celery import Celery, signals
 
+from celery_resilient.broker import selection
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.worker import receiving
@@ -34,6 +35,7 @@ class Resilient(Runtime):
         signals.task_received.connect(self._on_task_received)
         signals.task_revoked.connect(self._on_task_revoked)
         signals.worker_process_init.connect(self._on_process_init)
+        signals.worker_init.connect(self._on_worker_init)
 
     def init_app(self, flask_app: Any) -> None:
         """Flask extension pattern: read ``RESILIENT_*`` keys from ``flask_app.config``.
@@ -61,6 +63,11 @@ class Resilient(Runtime):
                          terminated: bool = False, expired: bool = False, **_: Any) -> None:
         if getattr(sender, "app", None) is self.app:
             receiving.record_revoked(self, sender, request, terminated, expired)
+
+    def _on_worker_init(self, sender: Any = None, **_: Any) -> None:
+        """Before the worker's consumer connects: consume Redis through the reliable fetch."""
+        if getattr(sender, "app", None) is self.app:
+            self.fetch_mode = selection.apply(self.app, self.config.reliable_fetch)
 
     def _on_process_init(self, **_: Any) -> None:
         self.dispose_store()

@@ -66,6 +66,10 @@ class ResilientConfig:
     store_retry_base: float = 1.0
     store_retry_max: float = 60.0
     durable_submit: bool = False
+    #: On a Redis broker, the worker consumes through
+    #: :mod:`celery_resilient.broker.transport` (an atomic fetch into a holding that the
+    #: store's judgement of who is gone gives back), unless ``broker_transport`` is set.
+    reliable_fetch: bool = True
     submit_timeout: float = 60.0
     sweep_batch: int = 500
     max_republish: int = 8
@@ -242,6 +246,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "store_retry_base": _as_float,
     "store_retry_max": _as_float,
     "durable_submit": _as_bool,
+    "reliable_fetch": _as_bool,
     "submit_timeout": _as_float,
     "sweep_batch": _as_positive_int,
     "max_republish": _as_positive_int,

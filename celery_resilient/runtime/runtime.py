@@ -41,6 +41,8 @@ class Runtime:
         self.held = HeldRequests()
         self.resent = RecentlyResent()
         self.outcomes = OutcomeBuffer(self.receipts.arrived)
+        #: The worker's Redis fetch, for the startup banner (set at ``worker_init``).
+        self.fetch_mode = "off (no worker_init seen)"
         setattr(app, _ATTR, self)
 
     @classmethod

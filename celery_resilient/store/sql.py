@@ -805,6 +805,27 @@ class Store:
                                float(r.db_now)) for r in rows]
 
     @guarded
+    def gone_incarnations(self, incarnations: Sequence[str], owner: Owner,
+                          lease_seconds: float, judge_leases: bool = True
+                          ) -> tuple[set[str], set[str]]:
+        """Of ``incarnations``: those gone, as the sweep judges claims' owners (stopped or
+        proven dead; lease expired, with ``judge_leases``), and those the store does not
+        know (no ``workers`` row). ``owner``'s own incarnation is never gone."""
+        wanted = [i for i in incarnations if i != owner.incarnation]
+        if not wanted:
+            return set(), set()
+        wk = self.t.workers
+        lease_end = func.coalesce(wk.c.lease_expires_at, wk.c.heartbeat_at + lease_seconds)
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(wk.c.incarnation, wk.c.stopped_at.is_not(None).label("stopped"),
+                       (lease_end < self.dialect.now()).label("expired"))
+                .where(wk.c.incarnation.in_(wanted))).all()
+            conn.rollback()
+        gone = {r.incarnation for r in rows if r.stopped or (judge_leases and r.expired)}
+        return gone, set(wanted) - {r.incarnation for r in rows}
+
+    @guarded
     def declare_dead(self, incarnation: str) -> bool:
         """Mark an incarnation proven dead: sweepers take its claims back at once."""
         wk = self.t.workers

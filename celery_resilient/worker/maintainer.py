@@ -19,6 +19,7 @@ from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.worker import pruner, recovery
 from celery_resilient.worker.backpressure import ConsumptionGate
+from celery_resilient.worker.holding_sweep import HoldingSweep
 from celery_resilient.worker.lease import LeaseKeeper, backoff
 from celery_resilient.worker.receiving import RevokeWatcher
 
@@ -54,6 +55,8 @@ class Maintainer(threading.Thread):
         self._stop_event = threading.Event()
         self.rounds = 0
         self.revokes = RevokeWatcher()
+        #: Gives back what gone workers held on a Redis broker (the reliable fetch).
+        self.holding = HoldingSweep(rt, owner)
         #: Monotonic time of the last failed round (None: none yet).
         self.last_failure: float | None = None
         self.pruning = pruner.PruneThread(rt)
@@ -152,7 +155,7 @@ class Maintainer(threading.Thread):
                         # outage.
                         self.last_failure = time.monotonic()
                     if not self.draining:
-                        recovery.sweep(self.rt, self.owner, self.judge_leases())
+                        recovery.sweep(self.rt, self.owner, self.judge_leases(), self.holding)
                     next_sweep = now + cfg.sweep_interval
                     self.rounds += 1
                 failures = 0

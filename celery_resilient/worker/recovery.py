@@ -19,6 +19,7 @@ from celery_resilient.core.states import DEAD, REQUEUED, REVOKED
 from celery_resilient.errors import ResilientError, WorkDead
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.sql import Ended, Orphan
+from celery_resilient.worker.holding_sweep import HoldingSweep
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +28,16 @@ log = logging.getLogger(__name__)
 BROKER_TIMEOUT = 2.0
 
 
-def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True) -> list[Orphan]:
-    """One recovery round; returns the orphans it re-published.
+def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
+          holding: HoldingSweep | None = None) -> list[Orphan]:
+    """One recovery round; returns the orphans it re-published (or found back in the
+    broker's queue).
 
     The broker is checked first, with a timeout: while it is unreachable no orphan is
     claimed (their re-publish counts and holds stay as they are), and one that fails to
-    send is handed back to the next round without counting as re-published.
+    send is handed back to the next round without counting as re-published. On Redis the
+    holdings of gone workers go back to their queues first (``holding``); an orphan whose
+    message went back that way is not published a second time.
     """
     cfg = rt.config
     with rt.app.connection_for_write() as conn:
@@ -42,6 +47,14 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True) -> list[Orphan]:
             log.warning("broker unreachable (%s); orphans wait for the next sweep", exc,
                         extra={"action": "republish_failed"})
             return []
+        if holding is not None:
+            try:
+                holding.run(conn, judge_leases)
+            except ResilientError:
+                raise
+            except Exception as exc:  # the broker went away meanwhile: the next round
+                log.warning("could not give back held messages (%s); the next sweep tries "
+                            "again", exc, extra={"action": "holding_restore_failed"})
         ended: list[Ended] = []
         orphans = rt.store.claim_orphans(owner, cfg.sweep_batch, cfg.submit_timeout,
                                          cfg.max_republish, cfg.republish_backoff_max, ended,
@@ -54,6 +67,14 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True) -> list[Orphan]:
             extra = {"action": "recovered", "work_key": orphan.work_key,
                      "task_id": orphan.task_id, "previous_state": orphan.previous_state,
                      "previous_owner": orphan.previous_owner}
+            if holding is not None and holding.restored_recently(orphan.task_id):
+                log.info("orphaned work %s (was %s%s) is back in its queue: its message "
+                         "was in the dead worker's holding", orphan.work_key,
+                         orphan.previous_state, f" on {orphan.previous_owner}"
+                         if orphan.previous_owner else ", no owner", extra=extra)
+                _recovered(rt, orphan)
+                sent.append(orphan)
+                continue
             why = messages.unpublishable(orphan.message_json, rt.app)
             if why is not None:
                 unrecoverable(rt, orphan, why, extra)
@@ -72,14 +93,17 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True) -> list[Orphan]:
             log.info("re-published orphaned work %s (was %s%s)", orphan.work_key,
                      orphan.previous_state, f" on {orphan.previous_owner}"
                      if orphan.previous_owner else ", no owner", extra=extra)
-            signals.send(signals.work_recovered, rt.app, orphan.task_name,
-                         work_key=orphan.work_key, task_id=orphan.task_id,
-                         previous_state=orphan.previous_state,
-                         previous_owner=orphan.previous_owner)
+            _recovered(rt, orphan)
             sent.append(orphan)
     if unsent:
         rt.store.unsend(unsent, cfg.submit_timeout)
     return sent
+
+
+def _recovered(rt: Runtime, orphan: Orphan) -> None:
+    signals.send(signals.work_recovered, rt.app, orphan.task_name, work_key=orphan.work_key,
+                 task_id=orphan.task_id, previous_state=orphan.previous_state,
+                 previous_owner=orphan.previous_owner)
 
 
 def unrecoverable(rt: Runtime, orphan: Orphan, why: str, extra: Mapping[str, object]) -> None:

@@ -1,0 +1,122 @@
+"""Giving held messages back to their queues: a gone incarnation's, or one's own forgotten.
+
+Who is gone is not decided here: the store judges incarnations (stopped, proven dead, lease
+expired) and the worker's sweep calls :func:`restore` for those. Each message goes back
+through kombu's own ``restore_by_tag`` (one transaction: out of ``unacked``, onto the front
+of its queue, marked redelivered), then leaves the holding; a crash between the two leaves
+a tag whose message is already back, which the next restore drops.
+
+Works on any kombu Redis channel (kombu's own included), so a worker that opted out of the
+reliable fetch still gives back the holdings of those that did not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from time import time
+from typing import Any
+
+import redis
+from kombu.utils.encoding import bytes_to_str
+
+from celery_resilient.broker import keys
+from celery_resilient.broker.scripts import FORGET_EMPTY_SCRIPT
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Held:
+    """One tag in a holding: its task id and fetch time, and whether its message is still
+    in ``unacked`` (not once acknowledged or restored: the tag is then only left over)."""
+
+    tag: str
+    task_id: str | None
+    fetched_at: float | None
+    present: bool
+
+
+def is_redis(channel: Any) -> bool:
+    """Whether ``channel`` is a kombu Redis channel (the only kind with holdings)."""
+    return hasattr(channel, "unacked_key") and hasattr(channel, "qos") and hasattr(
+        channel.qos, "restore_by_tag")
+
+
+def raw_client(channel: Any) -> redis.Redis[bytes]:
+    """A client on the channel's pool that adds no key prefix."""
+    raw = getattr(channel, "raw_client", None)
+    return raw if raw is not None else redis.Redis(connection_pool=channel.pool)
+
+
+def holders(channel: Any) -> dict[str, float]:
+    """Incarnations with a holding, and when each last held a fetched message."""
+    return keys.holders(raw_client(channel), channel.global_keyprefix)
+
+
+def held(channel: Any, incarnation: str) -> list[Held]:
+    """What ``incarnation`` holds now, with each message's task id (Celery's ``id`` header)."""
+    raw, prefix = raw_client(channel), channel.global_keyprefix
+    tags = sorted(bytes_to_str(t) for t in raw.smembers(prefix + keys.holding(incarnation)))
+    if not tags:
+        return []
+    pipe = raw.pipeline(transaction=False)
+    pipe.hmget(prefix + channel.unacked_key, tags)
+    for tag in tags:
+        pipe.zscore(prefix + channel.unacked_index_key, tag)
+    entries, *scores = pipe.execute()
+    return [Held(tag, _task_id(entry), None if score is None else float(score),
+                 entry is not None)
+            for tag, entry, score in zip(tags, entries, scores, strict=True)]
+
+
+def restore(channel: Any, incarnation: str, tags: Iterable[str] | None = None,
+            older_than: float | None = None) -> list[Held]:
+    """Give back what ``incarnation`` holds (only ``tags`` if given, only messages fetched
+    before ``older_than`` if given); return the messages that went back to a queue."""
+    raw, prefix = raw_client(channel), channel.global_keyprefix
+    holding = prefix + keys.holding(incarnation)
+    wanted = None if tags is None else set(tags)
+    back: list[Held] = []
+    for item in held(channel, incarnation):
+        if wanted is not None and item.tag not in wanted:
+            continue
+        if older_than is not None and item.fetched_at is not None and (
+                item.fetched_at >= older_than):
+            continue
+        if item.present:
+            channel.qos.restore_by_tag(item.tag)
+            back.append(item)
+        raw.srem(holding, item.tag)
+    if wanted is None and older_than is None:
+        FORGET_EMPTY_SCRIPT(raw, [holding, prefix + keys.HOLDERS], [incarnation])
+    return back
+
+
+def forget_empty(channel: Any, incarnation: str) -> None:
+    """Drop ``incarnation`` from the holders registry if its holding is empty."""
+    raw, prefix = raw_client(channel), channel.global_keyprefix
+    FORGET_EMPTY_SCRIPT(raw, [prefix + keys.holding(incarnation), prefix + keys.HOLDERS],
+                        [incarnation])
+
+
+def visibility_ceiling(channel: Any) -> float:
+    """Fetched before this time, a message is past kombu's visibility timeout."""
+    return time() - float(channel.visibility_timeout)
+
+
+def _task_id(entry: bytes | None) -> str | None:
+    if entry is None:
+        return None
+    try:
+        payload = json.loads(bytes_to_str(entry))[0]
+        task_id = payload.get("headers", {}).get("id")
+    except (ValueError, TypeError, IndexError, AttributeError):
+        return None
+    return task_id if isinstance(task_id, str) else None
+
+
+__all__ = ["Held", "forget_empty", "held", "holders", "is_redis", "raw_client", "restore",
+           "visibility_ceiling"]
