@@ -108,18 +108,26 @@ def test_second_worker_takes_over_without_restart(make_project: Callable[..., Pr
         _assert_rows_once_but_inflight(effect_log, key, ROWS)
 
 
+@pytest.mark.parametrize("reliable_fetch", [True, False], ids=["reliable-fetch", "kombu-fetch"])
 def test_task_outliving_visibility_timeout_runs_once(make_project: Callable[..., Project],
-                                                     redis_url: str,
-                                                     effect_log: EffectLog) -> None:
+                                                     redis_url: str, effect_log: EffectLog,
+                                                     reliable_fetch: bool) -> None:
+    """A task running past the visibility timeout: kombu's own fetch lets Redis deliver it
+    again (the store skips that copy); the reliable fetch's holding keeps kombu's restore
+    from delivering it at all while its worker lives."""
     project = make_project(redis_url)
-    project.extra = {"broker_transport_options": {
+    project.extra = {"resilient_reliable_fetch": reliable_fetch, "broker_transport_options": {
         "visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}}
     workers = [project.worker(name="a"), project.worker(name="b")]
     key = project.send("sleeper", 8, task_id="long-one")
     wait_for(lambda: project.state(key) == "done", 40, "the long task to finish")
     assert effect_log.count(f"sleeper:{key}") == 1
     logs = "".join(w.process.logs() for w in workers)
-    assert "not run: running on" in logs, "Redis never redelivered it: the test proved nothing"
+    assert f"reliable_fetch={'on' if reliable_fetch else 'off'}" in logs
+    if reliable_fetch:
+        assert "not run: running on" not in logs, "Redis delivered a held message again"
+    else:
+        assert "not run: running on" in logs, "Redis never redelivered it: the test proved nothing"
 
 
 def test_zombie_writes_are_refused(make_project: Callable[..., Project], redis_url: str,

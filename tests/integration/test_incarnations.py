@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 from celery import Celery
@@ -134,3 +135,22 @@ def test_a_renewal_held_up_by_a_write_lock_counts_as_an_outage(store: Store) -> 
         keeper.join(5)
     maint = Maintainer(rt, Owner("m@host", "inc", os.getpid()), keeper)
     assert not maint.judge_leases()
+
+
+def test_gone_incarnations_are_judged_as_the_sweep_judges_owners(store: Store) -> None:
+    """Whose broker holding a sweep gives back: stopped or proven dead at once; an expired
+    lease only while leases are judged; never the sweeper's own; unknown ones apart."""
+    me, live, stopped, expired = (owner() for _ in range(4))
+    for who in (me, live, stopped, expired):
+        store.register(who, liveness.current(), 30)
+    store.mark_stopped(stopped, 60)
+    expire_incarnation(store, expired)
+    unknown = uuid.uuid4().hex
+    asked = [me.incarnation, live.incarnation, stopped.incarnation, expired.incarnation,
+             unknown]
+    gone, unknowns = store.gone_incarnations(asked, me, 30)
+    assert gone == {stopped.incarnation, expired.incarnation}
+    assert unknowns == {unknown}
+    gone, _ = store.gone_incarnations(asked, me, 30, judge_leases=False)
+    assert gone == {stopped.incarnation}, "after an outage an expired lease proves nothing"
+    assert store.gone_incarnations([me.incarnation], me, 30) == (set(), set())
