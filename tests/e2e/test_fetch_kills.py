@@ -1,0 +1,230 @@
+"""Queue position under random SIGKILLs with the defaults a user has: Redis with its default
+visibility timeout (an hour), no durable submit, Celery's default prefetch, and RabbitMQ.
+
+Three real workers (``-c 2``) run short tasks of three kinds (resumable, plain with
+acks_late, plain with Celery's defaults) while whole workers are SIGKILLed at random:
+0-300 ms after a burst is published, or right after a restart into a backlog. Each is
+restarted at once under the same node name. What a killed worker held (Redis: its holding;
+RabbitMQ: its claims in the store) must run again within 5 s of its restart; at the end
+every task has run, no two executions of one task overlapped, and nothing is left in Redis's
+``unacked`` hash or in a holding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import redis
+
+from celery_resilient.broker import keys
+from celery_resilient.testing import EffectLog, wait_for
+from celery_resilient.testing.nodes import LocalWorker
+
+from .conftest import Project
+
+KINDS = ("work", "plain_late", "plain_early")
+RERUN_WITHIN = 5.0
+_INCARNATION = re.compile(r"incarnation=([0-9a-f]{32})")
+_READY = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): INFO/MainProcess\] \S+ ready\.",
+                    re.M)
+
+
+@dataclass
+class Kill:
+    worker: LocalWorker
+    at: float
+    pids: set[int]
+    log_no: int  #: the log of the start that follows the kill
+    held: set[str] = field(default_factory=set)
+
+
+def _incarnation(worker: LocalWorker) -> str:
+    found = _INCARNATION.findall(worker.process.logs())
+    assert found, f"{worker.worker_name} logged no incarnation"
+    return str(found[-1])
+
+
+def _ready_at(worker: LocalWorker, log_no: int) -> float:
+    text = (worker.process.log_dir / f"{worker.process.name}.{log_no}.log").read_text()
+    match = _READY.search(text)
+    assert match, f"start {log_no} of {worker.worker_name} never became ready"
+    return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+class Campaign:
+    def __init__(self, project: Project, effects: EffectLog, seed: int) -> None:
+        self.project = project
+        self.effects = effects
+        self.rng = random.Random(seed)
+        self.sent: dict[str, str] = {}
+        self.kills: list[Kill] = []
+        self.redis = redis.Redis.from_url(project.broker) if project.broker.startswith(
+            "redis") else None
+        self.workers = [project.nodes.worker(
+            "tests.e2e.fetchkillproj", name=f"k{i}", concurrency=2, queues=(project.queue,),
+            env=project.env(), start=False) for i in range(3)]
+        for w in self.workers:
+            w.process.start(wait=False)
+        for w in self.workers:
+            w.process.ready()
+
+    def send(self, n: int) -> None:
+        for _ in range(n):
+            kind = self.rng.choice(KINDS)
+            task_id = f"{kind}-{uuid.uuid4().hex[:12]}"
+            self.project.client.send_task(f"fetchkill.{kind}",
+                                          args=(len(self.sent), self.rng.uniform(0.02, 0.4)),
+                                          task_id=task_id, queue=self.project.queue)
+            self.sent[task_id] = kind
+
+    def kill(self, worker: LocalWorker) -> None:
+        proc = worker.process
+        pids = {proc.pid or 0, *proc.children()}
+        incarnation = _incarnation(worker)
+        at = time.time()  # the signal, not the reaping of the group that follows it
+        proc.kill("SIGKILL")
+        kill = Kill(worker, at, pids, proc.starts + 1)
+        kill.held = self._held(incarnation)
+        self.kills.append(kill)
+        proc.start(wait=False)  # at once, under the same node name
+
+    def _held(self, incarnation: str) -> set[str]:
+        """Task ids the dead worker held and had not finished."""
+        if self.redis is not None:
+            tags = [t.decode() for t in self.redis.smembers(keys.holding(incarnation))]
+            entries = self.redis.hmget("unacked", tags) if tags else []
+            ids = {json.loads(e)[0]["headers"]["id"] for e in entries if e}
+        else:  # RabbitMQ requeues them itself; the store names those it had recorded
+            w = self.project.store.t.work
+            with self.project.store.engine.connect() as conn:
+                ids = set(conn.execute(w.select().with_only_columns(w.c.task_id).where(
+                    w.c.incarnation == incarnation)).scalars())
+        return {i for i in ids if not self._finished(i)}
+
+    def _finished(self, task_id: str) -> bool:
+        if self.sent.get(task_id) == "work":
+            return self.project.state(task_id) == "done"
+        return self.effects.count(f"end:{task_id}") > 0
+
+    def run(self, kills: int) -> None:
+        for k in range(kills):
+            victim = self.workers[k % len(self.workers)]
+            victim.process.ready()
+            if k % 5 == 4:  # right after a restart into a backlog
+                self.kill(victim)
+                self.send(24)
+                victim.process.ready()
+                time.sleep(self.rng.uniform(0, 0.1))
+            else:  # 0-300 ms after a burst
+                self.send(8)
+                time.sleep(self.rng.uniform(0, 0.3))
+            self.kill(victim)
+        for w in self.workers:
+            w.process.ready()
+
+    # -- what must hold ---------------------------------------------------------------------
+
+    def all_ran(self) -> bool:
+        starts = {e["effect"][6:] for e in self.effects.entries() if e["effect"].startswith(
+            "start:")}
+        for task_id, kind in self.sent.items():
+            if self._finished(task_id):
+                continue
+            if kind == "plain_early" and task_id in starts and self._started_by_killed(
+                    task_id):
+                continue  # acked when it started, then killed: Celery's at-most-once
+            return False
+        return True
+
+    def _started_by_killed(self, task_id: str) -> bool:
+        killed = set().union(*(k.pids for k in self.kills))
+        return any(e["pid"] in killed for e in self.effects.entries(f"start:{task_id}"))
+
+    def assert_no_overlap(self) -> None:
+        killed_at = {pid: k.at for k in self.kills for pid in k.pids}
+        by_task: dict[str, list[dict[str, Any]]] = {}
+        for e in self.effects.entries():
+            kind, _, task_id = e["effect"].partition(":")
+            by_task.setdefault(task_id, []).append({**e, "kind": kind})
+        for task_id, events in by_task.items():
+            starts = [e for e in events if e["kind"] == "start"]
+            for earlier, later in itertools.pairwise(starts):
+                ends = [e["ts"] for e in events if e["kind"] == "end"
+                        and e["pid"] == earlier["pid"] and e["ts"] >= earlier["ts"]]
+                over = min(ends) if ends else killed_at.get(earlier["pid"])
+                assert over is not None, f"{task_id}: an execution never ended nor died"
+                assert over <= later["ts"], (
+                    f"{task_id}: two executions overlapped ({earlier['pid']} until {over}, "
+                    f"{later['pid']} from {later['ts']})")
+
+    def assert_held_ran_again(self) -> list[float]:
+        """Each held, unfinished task started again within RERUN_WITHIN of the restart."""
+        delays = []
+        for kill in self.kills:
+            ready = _ready_at(kill.worker, kill.log_no)
+            for task_id in kill.held:
+                again = [e["ts"] for e in self.effects.entries(f"start:{task_id}")
+                         if e["ts"] > kill.at]
+                if not again and self._finished(task_id):
+                    continue  # it had finished its body; the store answered the copy
+                assert again, f"{task_id}, held by the killed {kill.worker.worker_name}, " \
+                              "never ran again"
+                delays.append(min(again) - ready)
+                assert delays[-1] <= RERUN_WITHIN, (
+                    f"{task_id} ran again {delays[-1]:.1f}s after its worker's restart")
+        return delays
+
+    def assert_nothing_left_in_redis(self) -> None:
+        if self.redis is None:
+            return
+        for w in self.workers:
+            for incarnation in set(_INCARNATION.findall(w.process.all_logs())):
+                assert not self.redis.exists(keys.holding(incarnation)), incarnation
+        mine = {json.loads(e)[2] for e in self.redis.hvals("unacked")} & {self.project.queue}
+        assert not mine, "messages of this queue are left in Redis's unacked hash"
+        dead = set().union(*(set(_INCARNATION.findall(w.process.all_logs()))
+                             for w in self.workers)) - {_incarnation(w) for w in self.workers}
+        holders = {h.decode() for h in self.redis.zrange(keys.HOLDERS, 0, -1)}
+        assert not dead & holders, "a dead worker is still registered as a holder"
+
+
+def _campaign(project: Project, effects: EffectLog, kills: int, seed: int) -> Campaign:
+    campaign = Campaign(project, effects, seed)
+    campaign.run(kills)
+    wait_for(campaign.all_ran, 180, "every task to run")
+    campaign.assert_no_overlap()
+    delays = campaign.assert_held_ran_again()
+    held = sum(len(k.held) for k in campaign.kills)
+    # RabbitMQ's view here is the store's: resumable claims only, a third of the tasks
+    enough = kills if campaign.redis is not None else kills // 4
+    assert held >= enough, f"only {held} held messages over {kills} kills: the kills missed"
+    wait_for(lambda: _quiet(campaign), 30, "the workers to hold nothing")
+    campaign.assert_nothing_left_in_redis()
+    print(f"{len(campaign.kills)} kills, {len(campaign.sent)} tasks, {held} held at a kill, "
+          f"ran again {min(delays):.2f}-{max(delays):.2f}s after the restart")
+    return campaign
+
+
+def _quiet(campaign: Campaign) -> bool:
+    if campaign.redis is None:
+        return True
+    return not any(campaign.redis.scard(keys.holding(_incarnation(w))) for w in campaign.workers)
+
+
+def test_random_sigkills_on_redis_with_its_defaults(
+        make_project: Callable[..., Project], redis_url: str, effect_log: EffectLog) -> None:
+    _campaign(make_project(redis_url), effect_log, kills=50, seed=1)
+
+
+def test_random_sigkills_on_rabbitmq(make_project: Callable[..., Project], amqp_url: str,
+                                     effect_log: EffectLog) -> None:
+    _campaign(make_project(amqp_url), effect_log, kills=50, seed=2)
