@@ -1,10 +1,11 @@
 """The Celery app the throughput benchmark runs in real ``celery worker`` processes.
 
 Configured by environment: ``BENCH_BROKER``, ``BENCH_QUEUE``, ``BENCH_RESILIENT`` ("1": wire
-``Resilient(app)`` with ``BENCH_STORE_URL``/``BENCH_TABLE_PREFIX``; "0": plain Celery, no
-celery-resilient at all), and optional ``BENCH_PROFILE_DIR``: time every store call and every SQL
-statement per process and write them there as JSON when the process exits (measurement only;
-the library is not changed, its ``Store`` methods are wrapped from here).
+``Resilient(app)`` with ``BENCH_STORE_URL``/``BENCH_TABLE_PREFIX``, and with
+``BENCH_RELIABLE_FETCH`` "0" kombu's own Redis fetch; "0": plain Celery, no celery-resilient
+at all), and optional ``BENCH_PROFILE_DIR``: time every store call and every SQL statement
+per process and write them there as JSON when the process exits (measurement only; the
+library is not changed, its ``Store`` methods are wrapped from here).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ app.conf.update(
 if os.environ.get("BENCH_RESILIENT", "0") == "1":
     app.conf.resilient_store_url = os.environ["BENCH_STORE_URL"]
     app.conf.resilient_table_prefix = os.environ.get("BENCH_TABLE_PREFIX", "resilient_")
+    app.conf.resilient_reliable_fetch = os.environ.get("BENCH_RELIABLE_FETCH", "1") == "1"
     Resilient(app)
 
 

@@ -2,9 +2,13 @@
 the store restarted and taken away for a while.
 
     python benchmarks/chaos.py --tasks 10000 --workers 4 --kills 100 --deploys 20 \
-        --chaos-seconds 700 --seconds 1500 --visibility-timeout 20                 # full
+        --chaos-seconds 700 --seconds 1500                                         # full
     python benchmarks/chaos.py --tasks 300 --workers 3 --kills 10 --deploys 3 \
-        --chaos-seconds 60 --seconds 240 --visibility-timeout 20                   # CI size
+        --chaos-seconds 60 --seconds 240                                           # CI size
+
+With the defaults a user has: Redis's own visibility timeout (an hour), no durable submit
+(``--durable-submit`` and ``--visibility-timeout`` exist to compare). A submitted task that
+never ends ``done`` (lost from the broker, or left in its ``unacked`` hash) is a violation.
 
 Everything it touches is its own: a throwaway ``redis-server`` (append-only file, fsync always)
 on a free port as the broker, a throwaway PostgreSQL cluster (initdb under /tmp, free port) as
@@ -107,7 +111,7 @@ WORKER_SETTINGS = {
     "resilient_lease_seconds": LEASE, "resilient_heartbeat_interval": 1,
     "resilient_sweep_interval": 1, "resilient_max_attempts": 1000,
     "resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2,
-    "resilient_durable_submit": True, "resilient_submit_timeout": 30,
+    "resilient_submit_timeout": 30,
 }
 STORE_OUTAGE = LEASE + 3  # seconds PostgreSQL stays down: every lease looks expired after it
 #: "quiet" work (the long task, one row of QUIET_ROW seconds) is sent right before each store
@@ -294,8 +298,8 @@ class Chaos:
 
     def env(self) -> dict[str, str]:
         settings: dict[str, Any] = dict(WORKER_SETTINGS)
-        if self.args.no_durable_submit:
-            settings["resilient_durable_submit"] = False
+        if self.args.durable_submit:
+            settings["resilient_durable_submit"] = True
         if self.args.visibility_timeout:
             settings["broker_transport_options"] = {
                 "visibility_timeout": self.args.visibility_timeout,
@@ -964,9 +968,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="Redis visibility_timeout for the workers (default: Redis's 3600 s). "
                    "A message a worker fetched while the store was down and never recorded "
                    "(the worker was killed before the store came back) returns only then")
-    p.add_argument("--no-durable-submit", action="store_true",
-                   help="without resilient_durable_submit: a message a worker fetched but "
-                   "never recorded waits for the broker's own redelivery (Redis: 1 hour)")
+    p.add_argument("--durable-submit", action="store_true",
+                   help="with resilient_durable_submit (the default is a user's default: off; "
+                   "a submitted task is then only in the broker until a worker records it)")
     args = p.parse_args(argv)
     if args.deploys is None:
         args.deploys = max(1, args.kills // 5)

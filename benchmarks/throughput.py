@@ -59,6 +59,8 @@ class Mode:
     store_url: str | None = None
     prefix: str = ""
     queue: str = ""
+    #: "0": kombu's own Redis fetch instead of the reliable fetch (resumable modes)
+    reliable_fetch: str = "1"
     worker: Worker | None = None
     rates: list[float] = field(default_factory=list)
     publish_rates: list[float] = field(default_factory=list)
@@ -69,7 +71,8 @@ class Mode:
     def store_label(self) -> str:
         if self.store_url is None:
             return "none (plain Celery)"
-        return "SQLite file" if self.store_url.startswith("sqlite") else "PostgreSQL"
+        label = "SQLite file" if self.store_url.startswith("sqlite") else "PostgreSQL"
+        return label + ("" if self.reliable_fetch == "1" else ", kombu's fetch")
 
 
 class Bench:
@@ -88,7 +91,7 @@ class Bench:
     def start(self, mode: Mode) -> None:
         env = {"BENCH_BROKER": self.broker, "BENCH_QUEUE": mode.queue,
                "BENCH_RESILIENT": "1" if mode.store_url else "0",
-               "BENCH_BODY_MS": str(self.body_ms)}
+               "BENCH_BODY_MS": str(self.body_ms), "BENCH_RELIABLE_FETCH": mode.reliable_fetch}
         if mode.store_url:
             env |= {"BENCH_STORE_URL": mode.store_url, "BENCH_TABLE_PREFIX": mode.prefix}
             store = Store(mode.store_url, mode.prefix)
@@ -241,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
     parser.add_argument("--stores", default="sqlite,postgresql",
                         help="comma-separated: sqlite, postgresql")
+    parser.add_argument("--compare-fetch", action="store_true",
+                        help="also run each resumable mode with kombu's own Redis fetch "
+                             "(resilient_reliable_fetch=False), in the same rotation")
     parser.add_argument("--body-ms", type=float, default=0.0,
                         help="milliseconds each task body sleeps (0: trivial tasks)")
     parser.add_argument("--profile", type=Path, default=None,
@@ -263,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
                           "resilient_"))
     if "postgresql" in stores:
         modes.append(Mode("resumable-postgresql", RESUMABLE, args.pg_url, f"bench{tag}_"))
+    if args.compare_fetch:
+        modes += [Mode(f"{m.name}-kombu-fetch", m.task, m.store_url,
+                       m.prefix if m.store_url and m.store_url.startswith("sqlite")
+                       else f"{m.prefix}k", reliable_fetch="0")
+                  for m in modes if m.store_url]
+        for m in modes:  # SQLite modes need stores of their own
+            if m.reliable_fetch == "0" and m.store_url and m.store_url.startswith("sqlite"):
+                m.store_url = f"sqlite:///{tmp / 'store-kombu-fetch.sqlite3'}"
     for mode in modes:
         mode.queue = f"bench-{mode.name}-{tag}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery_resilient.broker import selection
 from celery_resilient.tasks.task import ResumableTask
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ def time_limit_warnings(app: Any) -> list[str]:
         limit = task.time_limit or app.conf.task_time_limit
         if not limit:
             continue
-        if scheme in ("redis", "rediss", "sentinel"):
+        if scheme in ("redis", "rediss", "sentinel") and not selection.is_on(app.conf):
+            # (with the reliable fetch a live worker's holding keeps kombu's restore away)
             visibility = float(opts.get("visibility_timeout", REDIS_DEFAULT_VISIBILITY))
             if limit > visibility:
                 warnings.append(

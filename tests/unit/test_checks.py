@@ -7,6 +7,7 @@ from typing import Any
 from celery import Celery
 
 from celery_resilient import ResumableTask
+from celery_resilient.broker import selection
 from celery_resilient.worker.checks import time_limit_warnings
 
 
@@ -38,6 +39,13 @@ def test_redis_visibility_timeout_shorter_than_a_time_limit_is_named() -> None:
 def test_raised_visibility_timeout_silences_the_warning() -> None:
     app = _app("redis://127.0.0.1:6379/0",
                broker_transport_options={"visibility_timeout": 10_000})
+    assert time_limit_warnings(app) == []
+
+
+def test_the_reliable_fetch_silences_the_warning() -> None:
+    """A live worker's holding keeps kombu's visibility restore away from its messages."""
+    app = _app("redis://127.0.0.1:6379/0")
+    assert selection.apply(app, True) == "on"
     assert time_limit_warnings(app) == []
 
 
