@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from time import time
 from typing import Any
 
-import redis
 from kombu.utils.encoding import bytes_to_str
 
 from celery_resilient.broker import keys
@@ -45,10 +44,14 @@ def is_redis(channel: Any) -> bool:
         channel.qos, "restore_by_tag")
 
 
-def raw_client(channel: Any) -> redis.Redis[bytes]:
+def raw_client(channel: Any) -> Any:
     """A client on the channel's pool that adds no key prefix."""
     raw = getattr(channel, "raw_client", None)
-    return raw if raw is not None else redis.Redis(connection_pool=channel.pool)
+    if raw is not None:
+        return raw
+    import redis  # noqa: PLC0415  (optional dependency: only a Redis channel gets here)
+
+    return redis.Redis(connection_pool=channel.pool)
 
 
 def holders(channel: Any) -> dict[str, float]:

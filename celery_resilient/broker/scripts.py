@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 #: KEYS: unacked hash, unacked index, this incarnation's holding, the holders registry,
 #: then the queue keys in the order BRPOP would try them.
 #: ARGV: now (the index score, as kombu's own ``time()``), the incarnation, and one flag
@@ -89,7 +87,7 @@ class Script:
 
 def is_noscript(exc: BaseException) -> bool:
     """redis-py raises ``NoScriptError`` (its text without the NOSCRIPT code)."""
-    return isinstance(exc, NoScriptError) or str(exc).startswith("NOSCRIPT")
+    return type(exc).__name__ == "NoScriptError" or str(exc).startswith("NOSCRIPT")
 
 
 FETCH_SCRIPT = Script(FETCH)

@@ -150,8 +150,10 @@ def test_take_before_receipt_is_republished_after_a_kill(project: Project,
                                                          labs: list[Lab],
                                                          serializer: str) -> None:
     """No receipt ever lands: the take's call form keeps the arguments with the task's
-    serializer, and the sweeper re-publishes it with that serializer (Redis would give the
-    message back only after its one-hour visibility timeout)."""
+    serializer, and the sweeper re-publishes it with that serializer. On kombu's own fetch,
+    where only the store can bring the message back (Redis would give it back only after its
+    one-hour visibility timeout; the reliable fetch's holding would give it back first)."""
+    project.extra = {"resilient_reliable_fetch": False}
     lab = _lab(labs, project, effect_log, serializer, RESILIENT_DROP_RECEIPTS="1")
     worker = lab.worker()
     key, result = lab.send_crunch()
