@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from time import time
 from typing import Any
@@ -29,11 +29,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Held:
-    """One tag in a holding: its task id and fetch time, and whether its message is still
-    in ``unacked`` (not once acknowledged or restored: the tag is then only left over)."""
+    """One tag in a holding: its task id and name (Celery's ``id`` and ``task`` headers) and
+    fetch time, and whether its message is still in ``unacked`` (not once acknowledged or
+    restored: the tag is then only left over)."""
 
     tag: str
     task_id: str | None
+    task_name: str | None
     fetched_at: float | None
     present: bool
 
@@ -70,15 +72,17 @@ def held(channel: Any, incarnation: str) -> list[Held]:
     for tag in tags:
         pipe.zscore(prefix + channel.unacked_index_key, tag)
     entries, *scores = pipe.execute()
-    return [Held(tag, _task_id(entry), None if score is None else float(score),
+    return [Held(tag, *_task_of(entry), None if score is None else float(score),
                  entry is not None)
             for tag, entry, score in zip(tags, entries, scores, strict=True)]
 
 
 def restore(channel: Any, incarnation: str, tags: Iterable[str] | None = None,
-            older_than: float | None = None) -> list[Held]:
-    """Give back what ``incarnation`` holds (only ``tags`` if given, only messages fetched
-    before ``older_than`` if given); return the messages that went back to a queue."""
+            older_than: float | None = None,
+            only: Callable[[Held], bool] | None = None) -> list[Held]:
+    """Give back what ``incarnation`` holds (only ``tags``, only messages fetched before
+    ``older_than``, only those ``only`` accepts, where given); return the messages that went
+    back to a queue."""
     raw, prefix = raw_client(channel), channel.global_keyprefix
     holding = prefix + keys.holding(incarnation)
     wanted = None if tags is None else set(tags)
@@ -89,11 +93,13 @@ def restore(channel: Any, incarnation: str, tags: Iterable[str] | None = None,
         if older_than is not None and item.fetched_at is not None and (
                 item.fetched_at >= older_than):
             continue
+        if only is not None and item.present and not only(item):
+            continue
         if item.present:
             channel.qos.restore_by_tag(item.tag)
             back.append(item)
         raw.srem(holding, item.tag)
-    if wanted is None and older_than is None:
+    if wanted is None and older_than is None and only is None:
         FORGET_EMPTY_SCRIPT(raw, [holding, prefix + keys.HOLDERS], [incarnation])
     return back
 
@@ -110,15 +116,17 @@ def visibility_ceiling(channel: Any) -> float:
     return time() - float(channel.visibility_timeout)
 
 
-def _task_id(entry: bytes | None) -> str | None:
+def _task_of(entry: bytes | None) -> tuple[str | None, str | None]:
+    """Celery's ``id`` and ``task`` headers of an ``unacked`` entry (protocol 2)."""
     if entry is None:
-        return None
+        return None, None
     try:
-        payload = json.loads(bytes_to_str(entry))[0]
-        task_id = payload.get("headers", {}).get("id")
+        headers = json.loads(bytes_to_str(entry))[0].get("headers", {})
+        task_id, name = headers.get("id"), headers.get("task")
     except (ValueError, TypeError, IndexError, AttributeError):
-        return None
-    return task_id if isinstance(task_id, str) else None
+        return None, None
+    return (task_id if isinstance(task_id, str) else None,
+            name if isinstance(name, str) else None)
 
 
 __all__ = ["Held", "forget_empty", "held", "holders", "is_redis", "raw_client", "restore",

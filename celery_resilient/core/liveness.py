@@ -84,3 +84,18 @@ def is_dead(identity: str | None) -> bool:
     if now_started is None:
         return True
     return bool(started) and bool(now_started) and now_started != started
+
+
+def is_alive(identity: str | None) -> bool:
+    """True only when the process ``identity`` names provably runs (this host, boot and PID
+    namespace, the same PID with the same start time)."""
+    if not identity:
+        return False
+    parts = identity.split(SEP)
+    if len(parts) != 6:
+        return False
+    host, boot, pidns, pid_text, started, _tag = parts
+    if (host != socket.gethostname() or boot != _boot_id() or pidns != _pid_namespace()
+            or not pid_text.isdigit() or not started):
+        return False
+    return _start_time(int(pid_text)) == started

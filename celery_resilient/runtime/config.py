@@ -59,6 +59,15 @@ class ResilientConfig:
     auto_migrate: bool | None = None
     lease_seconds: float = 30.0
     heartbeat_interval: float = 5.0
+    #: PostgreSQL: each incarnation holds a session-level advisory lock, so a successor or a
+    #: sweeper proves it dead as soon as its session ends (celery_resilient.store.liveness).
+    session_liveness: bool = True
+    #: Where that session connects (a direct URL when the store URL goes through a pooler
+    #: in transaction mode); None: the store URL.
+    liveness_url: str | None = None
+    #: Stop this worker's resumable executions once its lease went unrenewed for
+    #: ``lease_seconds - fence_margin``; None: one ``heartbeat_interval``.
+    fence_margin: float | None = None
     sweep_interval: float = 5.0
     max_attempts: int = 5
     max_checkpoint_bytes: int = 1_048_576
@@ -95,6 +104,20 @@ class ResilientConfig:
     prune_interval: float = 60.0
     prune_batch: int = 500
     metrics: bool = False
+
+    @property
+    def fence_after(self) -> float:
+        """Seconds without a lease renewal after which this worker stops its executions."""
+        margin = self.heartbeat_interval if self.fence_margin is None else self.fence_margin
+        return self.lease_seconds - margin
+
+    @property
+    def liveness_target(self) -> str | None:
+        """The URL of the liveness session, or None when the proof is off or impossible."""
+        url = self.liveness_url or self.store_url
+        if not self.session_liveness or not url.startswith("postgresql"):
+            return None
+        return url
 
     @property
     def migrates_itself(self) -> bool:
@@ -160,6 +183,14 @@ class ResilientConfig:
                 f"must be at most half of resilient_lease_seconds ({self.lease_seconds}) "
                 "so one missed heartbeat does not expire a live worker's leases",
             )
+        if self.fence_margin is not None and not (
+                0 < self.fence_margin <= self.lease_seconds - self.heartbeat_interval):
+            raise bad("fence_margin", "must be positive and leave at least one "
+                      f"resilient_heartbeat_interval ({self.heartbeat_interval}s) of the lease "
+                      f"({self.lease_seconds}s) to renew it in")
+        if self.liveness_url is not None and "://" not in self.liveness_url:
+            raise bad("liveness_url", "must be an SQLAlchemy URL such as "
+                      "postgresql+psycopg://host/db")
         for name in ("max_attempts", "max_checkpoint_bytes", "sweep_batch", "max_republish",
                      "catchup_max_slots", "context_cache_size", "receipt_buffer_bytes"):
             if getattr(self, name) < 1:
@@ -239,6 +270,9 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "auto_migrate": _as_bool,
     "lease_seconds": _as_float,
     "heartbeat_interval": _as_float,
+    "session_liveness": _as_bool,
+    "liveness_url": _as_str,
+    "fence_margin": _as_float,
     "sweep_interval": _as_float,
     "max_attempts": _as_positive_int,
     "max_checkpoint_bytes": _as_positive_int,

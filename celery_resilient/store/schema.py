@@ -165,6 +165,11 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("process", String(KEY), nullable=True),
         # Set when a warm shutdown began: its claims are being handed off or drained.
         Column("draining_at", Float, nullable=True),
+        # PostgreSQL: the server start on which this incarnation took its liveness lock
+        # (celery_resilient.store.liveness); NULL: no lock, judged by its lease alone.
+        Column("liveness_server", Float, nullable=True),
+        # How it came to be stopped (migration 0007): stop, process, successor, session.
+        Column("ended_by", String(16), nullable=True),
         Index(f"ix_{p}workers_node", "node"),
         Index(f"ix_{p}workers_heartbeat_at", "heartbeat_at"),  # retention
         Index(f"ix_{p}workers_stopped_at", "stopped_at"),  # retention

@@ -54,7 +54,7 @@ from celery_resilient.errors import (
     WorkKeyConflict,
     WorkStopped,
 )
-from celery_resilient.store import migrate, transient
+from celery_resilient.store import liveness, migrate, transient
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
 from celery_resilient.store.hot import HotStatements
@@ -187,6 +187,28 @@ class Ended:
     reason: str
 
 
+#: ``Store.prove_dead``: what a probe of an incarnation's liveness lock found.
+PROVEN_DEAD, SESSION_ALIVE, UNJUDGED = "proven dead", "session alive", "unjudged"
+#: ``workers.ended_by``: it stopped itself; a successor on its host saw its process gone; a
+#: later start of its node name, or another worker's sweep, found its session ended.
+ENDED_STOP, ENDED_PROCESS, ENDED_SUCCESSOR, ENDED_SESSION = (
+    "stop", "process", "successor", "session")
+
+
+@dataclass(frozen=True)
+class GoneIncarnations:
+    """Who a sweep may take work from, and how much of it.
+
+    ``dead``: the process is gone (it stopped, its successor saw it gone, or a later start of
+    its node name found its session ended): everything it held. ``unproven``: its lease
+    expired, or another worker found its session ended, but it may still run (a partition,
+    a pause): only work the store fences. ``unknown``: no row names it."""
+
+    dead: set[str]
+    unproven: set[str]
+    unknown: set[str]
+
+
 @dataclass(frozen=True)
 class IncarnationRow:
     """Another start of a worker node, as its lease row says (times on the store's clock)."""
@@ -198,6 +220,8 @@ class IncarnationRow:
     heartbeat_at: float
     lease_expires_at: float | None
     db_now: float
+    #: The server start its liveness lock was taken on (None: it holds no such lock).
+    liveness_server: float | None = None
 
 
 @dataclass(frozen=True)
@@ -802,28 +826,108 @@ class Store:
         return [IncarnationRow(r.incarnation, r.node, int(r.pid), r.process,
                                float(r.heartbeat_at),
                                None if r.lease_expires_at is None else float(r.lease_expires_at),
-                               float(r.db_now)) for r in rows]
+                               float(r.db_now),
+                               None if r.liveness_server is None else float(r.liveness_server))
+                for r in rows]
 
     @guarded
     def gone_incarnations(self, incarnations: Sequence[str], owner: Owner,
-                          lease_seconds: float, judge_leases: bool = True
-                          ) -> tuple[set[str], set[str]]:
-        """Of ``incarnations``: those gone, as the sweep judges claims' owners (stopped or
-        proven dead; lease expired, with ``judge_leases``), and those the store does not
-        know (no ``workers`` row). ``owner``'s own incarnation is never gone."""
+                          lease_seconds: float, judge_leases: bool = True) -> GoneIncarnations:
+        """Of ``incarnations``, who is gone and how surely (see :class:`GoneIncarnations`).
+
+        ``owner``'s own incarnation is never gone."""
         wanted = [i for i in incarnations if i != owner.incarnation]
         if not wanted:
-            return set(), set()
+            return GoneIncarnations(set(), set(), set())
         wk = self.t.workers
         lease_end = func.coalesce(wk.c.lease_expires_at, wk.c.heartbeat_at + lease_seconds)
         with self.engine.connect() as conn:
             rows = conn.execute(
                 select(wk.c.incarnation, wk.c.stopped_at.is_not(None).label("stopped"),
-                       (lease_end < self.dialect.now()).label("expired"))
+                       wk.c.ended_by, (lease_end < self.dialect.now()).label("expired"))
                 .where(wk.c.incarnation.in_(wanted))).all()
             conn.rollback()
-        gone = {r.incarnation for r in rows if r.stopped or (judge_leases and r.expired)}
-        return gone, set(wanted) - {r.incarnation for r in rows}
+        dead = {r.incarnation for r in rows if r.stopped and r.ended_by != ENDED_SESSION}
+        unproven = {r.incarnation for r in rows if r.incarnation not in dead and (
+            r.stopped or (judge_leases and r.expired))}
+        return GoneIncarnations(dead, unproven, set(wanted) - {r.incarnation for r in rows})
+
+    @guarded
+    def record_liveness(self, owner: Owner, server: float | None) -> None:
+        """The server start ``owner`` took its liveness lock on (None: it holds none)."""
+        wk = self.t.workers
+        with self.begin() as conn:
+            conn.execute(update(wk).where(wk.c.incarnation == owner.incarnation)
+                         .values(liveness_server=server))
+
+    @guarded
+    def lock_suspects(self, owner: Owner, stale_seconds: float) -> list[str]:
+        """Other incarnations whose liveness lock a probe may take: not stopped, holding a
+        lock taken on this server start (PostgreSQL), quiet for ``stale_seconds``."""
+        if self.dialect.is_sqlite:
+            return []
+        wk = self.t.workers
+        with self.engine.connect() as conn:
+            here = liveness.server_start(conn)
+            rows = conn.execute(
+                select(wk.c.incarnation, wk.c.liveness_server)
+                .where(wk.c.incarnation != owner.incarnation, wk.c.stopped_at.is_(None),
+                       wk.c.liveness_server.is_not(None),
+                       wk.c.heartbeat_at < self.dialect.now() - stale_seconds)).all()
+            conn.rollback()
+        return [r.incarnation for r in rows if abs(float(r.liveness_server) - here) < 1e-3]
+
+    @guarded
+    def prove_dead(self, incarnation: str, by: Owner | None = None) -> str:
+        """Take ``incarnation``'s liveness lock and, holding it, mark it stopped.
+
+        ``PROVEN_DEAD`` only with proof: its lock was taken on the server running now and no
+        other session holds it, so its session has ended; the mark and the lock share one
+        transaction. ``SESSION_ALIVE``: another session holds the lock. ``UNJUDGED``: no
+        proof either way (no lock recorded, a server restarted since, SQLite, already
+        stopped, or this very backend holds the lock: a pooler in transaction mode).
+
+        A proof by a later start of the same node name (``by``) ends it as ``successor``;
+        one by any other worker as ``session``: its holder may still run behind a partition,
+        so only its resumable work is taken (``gone_incarnations``)."""
+        if self.dialect.is_sqlite:
+            return UNJUDGED
+        wk = self.t.workers
+        key = liveness.lock_key(self.prefix, incarnation)
+        with self.begin() as conn:
+            row = conn.execute(select(wk.c.liveness_server, wk.c.stopped_at, wk.c.node)
+                               .where(wk.c.incarnation == incarnation)
+                               .with_for_update()).first()
+            if row is None or row.stopped_at is not None or row.liveness_server is None:
+                return UNJUDGED
+            if abs(float(row.liveness_server) - liveness.server_start(conn)) >= 1e-3:
+                return UNJUDGED  # taken on a server that has restarted since: no proof
+            if liveness.held_by_this_backend(conn, key):
+                log.warning("the liveness lock of incarnation %s is held by this very "
+                            "database session: a pooler in transaction mode? Set "
+                            "resilient_liveness_url to a direct PostgreSQL URL", incarnation,
+                            extra={"action": "liveness_pooler"})
+                return UNJUDGED
+            if not liveness.try_lock_for_transaction(conn, key):
+                return SESSION_ALIVE
+            now = self.dialect.now()
+            ended_by = ENDED_SUCCESSOR if by is not None and by.node == row.node else (
+                ENDED_SESSION)
+            conn.execute(update(wk).where(wk.c.incarnation == incarnation)
+                         .values(stopped_at=now, lease_expires_at=now, ended_by=ended_by))
+        return PROVEN_DEAD
+
+    @guarded
+    def succeed(self, owner: Owner) -> int:
+        """A start of ``owner``'s node name vouches that earlier starts another worker found
+        with their session ended are gone (``session`` becomes ``successor``)."""
+        wk = self.t.workers
+        with self.begin() as conn:
+            return int(conn.execute(
+                update(wk).where(wk.c.node == owner.node,
+                                 wk.c.incarnation != owner.incarnation,
+                                 wk.c.ended_by == ENDED_SESSION)
+                .values(ended_by=ENDED_SUCCESSOR)).rowcount)
 
     @guarded
     def declare_dead(self, incarnation: str) -> bool:
@@ -833,7 +937,8 @@ class Store:
         with self.begin() as conn:
             return bool(conn.execute(
                 update(wk).where(wk.c.incarnation == incarnation, wk.c.stopped_at.is_(None))
-                .values(stopped_at=now, lease_expires_at=now)).rowcount)
+                .values(stopped_at=now, lease_expires_at=now,
+                        ended_by=ENDED_PROCESS)).rowcount)
 
     @guarded
     def mark_draining(self, owner: Owner) -> None:
@@ -954,7 +1059,7 @@ class Store:
                          .values(state=REQUEUED, owner_node=None, incarnation=None,
                                  lease_expires_at=now + hold_seconds, updated_at=now))
             conn.execute(update(wk).where(wk.c.incarnation == owner.incarnation)
-                         .values(stopped_at=now, lease_expires_at=now))
+                         .values(stopped_at=now, lease_expires_at=now, ended_by=ENDED_STOP))
 
     @guarded
     def claim_orphans(self, owner: Owner, limit: int, hold_seconds: float,

@@ -42,12 +42,14 @@ class LocalWorker(_LocalNode, CeleryTestWorker):  # type: ignore[misc]
                  name: str = "worker", concurrency: int = 1, pool: str = "prefork",
                  queues: Sequence[str] = ("celery",), extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, cwd: str | None = None,
-                 app: Celery | None = None, loglevel: str = "INFO") -> None:
-        self.node_name = f"{name}@%h"
+                 app: Celery | None = None, loglevel: str = "INFO",
+                 wrapper: Sequence[str] = (), node_name: str | None = None) -> None:
+        self.node_name = node_name or f"{name}@%h"
         argv = ["-A", app_module, "worker", "-n", self.node_name, "-c", str(concurrency),
                 "-P", pool, "-Q", ",".join(queues), "-l", loglevel, "--without-gossip",
                 "--without-mingle", *extra_args]
-        process = LocalProcess(name, argv, log_dir, env=env, cwd=cwd, ready_prompt="ready.")
+        process = LocalProcess(name, argv, log_dir, env=env, cwd=cwd, ready_prompt="ready.",
+                               wrapper=wrapper)
         super().__init__(process, app)
         self._queues = list(queues)
         self._loglevel = loglevel

@@ -25,9 +25,13 @@ class LocalProcess:
 
     def __init__(self, name: str, argv: Sequence[str], log_dir: str | os.PathLike[str],
                  env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-                 ready_prompt: str = "ready.", ready_timeout: float = 60.0) -> None:
+                 ready_prompt: str = "ready.", ready_timeout: float = 60.0,
+                 wrapper: Sequence[str] = ()) -> None:
         self.name = name
         self.argv = list(argv)
+        #: A command the process runs under, e.g. ``("unshare", "--pid", "--fork",
+        #: "--mount-proc")``: a PID namespace of its own at each start, as a container has.
+        self.wrapper = list(wrapper)
         self.env = {**os.environ, **(env or {})}
         self.cwd = str(cwd) if cwd else None
         self.ready_prompt = ready_prompt
@@ -62,7 +66,8 @@ class LocalProcess:
         self.starts += 1
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", *self.argv], stdout=log, stderr=subprocess.STDOUT,
+            [*self.wrapper, sys.executable, "-m", "celery", *self.argv], stdout=log,
+            stderr=subprocess.STDOUT,
             env=self.env, cwd=self.cwd, start_new_session=True,  # own process group
         )
         log.close()

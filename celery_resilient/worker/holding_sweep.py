@@ -1,26 +1,36 @@
 """The part of each sweep that gives a gone worker's held messages back to their queues.
 
 On Redis with the reliable fetch, every message a worker took is in its incarnation's
-holding until acknowledged (:mod:`celery_resilient.broker`). Once the store says that
-incarnation is gone (stopped, proven dead, or its lease expired), the sweep pushes its
-holding back onto the front of the queues, plain tasks and resumable ones alike, running
-or prefetched, marked redelivered, as RabbitMQ does when a consumer's connection drops.
-Nothing is left in Redis's ``unacked`` hash for the visibility timeout to deliver an hour
-later. The store's re-publish of the same work is then skipped: the broker's copy is back.
+holding until acknowledged (:mod:`celery_resilient.broker`). How much of it goes back, and
+when, follows how surely the store knows that incarnation is gone
+(``Store.gone_incarnations``):
 
-A holding whose incarnation the store does not know (a worker of another store, or a row
-pruned long ago) is left to kombu's rule: messages past the visibility timeout go back.
+- **dead** (it stopped, a successor on its host saw its process gone, or a later start of its
+  node name found its session ended): everything, plain tasks and resumable ones, running or
+  prefetched, onto the front of the queues, marked redelivered, as RabbitMQ does when a
+  consumer's connection drops;
+- **unproven** (its lease expired, or another worker found its session ended): it may still
+  run, cut off from the store or paused, so only resumable tasks' messages go back (the
+  store fences a zombie's executions, and the worker fences itself); a plain task's message
+  stays held, as plain Celery keeps it, until the incarnation is proven dead or kombu's
+  visibility timeout passes;
+- **unknown** to the store (a worker of another store, or a row pruned long ago): kombu's
+  rule, messages past the visibility timeout.
+
+The store's re-publish of the same work is skipped for what went back: the broker's copy is.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery_resilient.broker import holdings
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.tasks.task import ResumableTask
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +60,30 @@ class HoldingSweep:
         others = [inc for inc in found if inc != self.owner.incarnation]
         if not others:
             return 0
-        gone, unknown = self.rt.store.gone_incarnations(
+        gone = self.rt.store.gone_incarnations(
             others, self.owner, self.rt.config.lease_seconds, judge_leases)
         count = 0
-        for incarnation in sorted(gone):
-            count += self._give_back(channel, incarnation, "gone", None)
-        if unknown:
+        for incarnation in sorted(gone.dead):
+            count += self._give_back(channel, incarnation, "gone")
+        for incarnation in sorted(gone.unproven):
+            count += self._give_back(channel, incarnation, "unproven: resumable work only",
+                                     only=self._resumable)
+        if gone.unknown:
             ceiling = holdings.visibility_ceiling(channel)
-            for incarnation in sorted(unknown):
-                count += self._give_back(channel, incarnation, "unknown to the store", ceiling)
+            for incarnation in sorted(gone.unknown):
+                count += self._give_back(channel, incarnation, "unknown to the store",
+                                         older_than=ceiling)
                 holdings.forget_empty(channel, incarnation)
         return count
 
+    def _resumable(self, held: holdings.Held) -> bool:
+        task = self.rt.app.tasks.get(held.task_name) if held.task_name else None
+        return isinstance(task, ResumableTask)
+
     def _give_back(self, channel: Any, incarnation: str, why: str,
-                   older_than: float | None) -> int:
-        back = holdings.restore(channel, incarnation, older_than=older_than)
+                   older_than: float | None = None,
+                   only: Callable[[holdings.Held], bool] | None = None) -> int:
+        back = holdings.restore(channel, incarnation, older_than=older_than, only=only)
         if not back:
             return 0
         now = time.monotonic()

@@ -35,6 +35,12 @@ class LeaseKeeper(threading.Thread):
         self.last_failure: float | None = None
         self.renewals = 0
         self._declared_dead_logged = False
+        #: Monotonic time the last successful renewal was sent (the worker registered its
+        #: first lease just before this keeper was made): its expiry on the store's clock
+        #: is at least ``lease_seconds`` after this.
+        self.renewal_sent_at = time.monotonic()
+        #: Another worker proved this incarnation dead (a renewal found it stopped).
+        self.declared_dead = False
 
     def run(self) -> None:
         cfg = self.rt.config
@@ -42,7 +48,9 @@ class LeaseKeeper(threading.Thread):
         last_renewal = time.monotonic()
         while not self._stop_event.is_set():
             try:
+                sent = time.monotonic()
                 alive = self.store.heartbeat(self.owner, cfg.lease_seconds)
+                self.renewal_sent_at = sent
                 self.renewals += 1
                 failures = 0
                 wait = cfg.heartbeat_interval
@@ -55,6 +63,8 @@ class LeaseKeeper(threading.Thread):
                     log.warning("lease renewal was %.1fs late", renewed_at - last_renewal
                                 - cfg.heartbeat_interval, extra={"action": "lease_late"})
                 last_renewal = renewed_at
+                if not alive:
+                    self.declared_dead = True
                 if not alive and not self._declared_dead_logged:
                     self._declared_dead_logged = True
                     log.error("this worker (%s, incarnation %s) was declared dead by another "

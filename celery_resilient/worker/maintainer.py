@@ -17,6 +17,7 @@ from celery_resilient.core import identity
 from celery_resilient.core.identity import Owner
 from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.sql import PROVEN_DEAD
 from celery_resilient.worker import pruner, recovery
 from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.holding_sweep import HoldingSweep
@@ -28,6 +29,8 @@ REVOKE_POLL_SECONDS = 1.0
 #: After a wake for new receipts, how long to let more arrive before one flush writes them
 #: all: under load one statement carries many deliveries instead of one each.
 RECEIPT_COALESCE_SECONDS = 0.005
+#: Heartbeats an incarnation may miss before a sweep probes its liveness session.
+SUSPECT_AFTER_BEATS = 1.5
 #: A claim taken this recently may not be in Celery's active requests yet.
 EXECUTING_GRACE_SECONDS = 5.0
 
@@ -126,6 +129,20 @@ class Maintainer(threading.Thread):
         up_for = self.rt.store.up_for()
         return up_for is None or up_for >= lease
 
+    def probe_suspects(self) -> int:
+        """Prove dead the incarnations whose heartbeat is late and whose liveness session
+        has ended (PostgreSQL): their work is taken back now, not when their lease expires.
+        A dead host's session ends once the server's keepalives give up on it."""
+        proven = 0
+        stale = SUSPECT_AFTER_BEATS * self.rt.config.heartbeat_interval
+        for incarnation in self.rt.store.lock_suspects(self.owner, stale):
+            if self.rt.store.prove_dead(incarnation) == PROVEN_DEAD:
+                proven += 1
+                log.info("incarnation %s is gone: its database session has ended; its work "
+                         "is taken back now", incarnation,
+                         extra={"action": "incarnation_proven_dead", "incarnation": incarnation})
+        return proven
+
     def reconcile(self) -> int:
         """Release this worker's claims that run nowhere (see ``Store.reconcile``)."""
         cfg = self.rt.config
@@ -148,6 +165,7 @@ class Maintainer(threading.Thread):
                     self.revokes.flush(self.rt)
                     next_revokes = now + REVOKE_POLL_SECONDS
                 if now >= next_sweep:
+                    self.probe_suspects()
                     self.reconcile()
                     if time.monotonic() - now > cfg.lease_seconds / 4:
                         # This round waited on the store (an SQLite write lock held by a

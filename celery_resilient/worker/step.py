@@ -25,8 +25,10 @@ from celery_resilient.core.identity import Owner
 from celery_resilient.errors import ResilientError
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
+from celery_resilient.store.sql import PROVEN_DEAD, SESSION_ALIVE, UNJUDGED
 from celery_resilient.worker import checks
 from celery_resilient.worker.backpressure import ConsumptionGate
+from celery_resilient.worker.fencing import FencingGuard
 from celery_resilient.worker.lease import LeaseKeeper
 from celery_resilient.worker.maintainer import Maintainer
 
@@ -49,25 +51,61 @@ def startup(rt: Runtime, owner: Owner) -> None:
 
 
 def settle_predecessors(rt: Runtime, owner: Owner) -> None:
-    """At start: end earlier incarnations of this node that are provably dead; warn loudly
-    about one that is alive (two workers with one node name), and leave its claims alone."""
+    """At start: end earlier incarnations of this node that are provably dead (from ``/proc``
+    on this host and PID namespace, or, on PostgreSQL, because their liveness session has
+    ended: another container, another host); warn loudly about one that is alive (two
+    workers with one node name), or that cannot be judged, and leave its claims alone."""
     for other in rt.store.other_incarnations(owner):
+        how = None
+        probe = UNJUDGED
         if liveness.is_dead(other.process):
-            if rt.store.declare_dead(other.incarnation):
-                log.info("earlier start of %s (incarnation %s, pid %d) is gone; its claims "
-                         "are taken back now", owner.node, other.incarnation, other.pid,
-                         extra={"action": "predecessor_dead",
-                                "incarnation": other.incarnation})
+            how = "its process is gone" if rt.store.declare_dead(other.incarnation) else None
+        else:
+            probe = rt.store.prove_dead(other.incarnation, by=owner)
+            if probe == PROVEN_DEAD:
+                how = "its database session has ended"
+        if how is not None:
+            log.info("earlier start of %s (incarnation %s, pid %d on %s) is gone: %s; its "
+                     "claims are taken back now", owner.node, other.incarnation, other.pid,
+                     _host(other.process), how, extra={"action": "predecessor_dead",
+                                                       "incarnation": other.incarnation})
             continue
+        if liveness.is_dead(other.process):
+            continue  # stopped meanwhile by someone else
         lease_end = other.lease_expires_at or other.heartbeat_at + rt.config.lease_seconds
         if lease_end <= other.db_now:
             continue  # its lease has expired: the sweep takes its claims back
-        log.warning(
-            "ANOTHER LIVE WORKER USES THE NODE NAME %s (incarnation %s, pid %d, %s; lease "
-            "renewed %.0fs ago). Its claims are left alone, but give every worker a unique "
-            "name (celery worker -n name@%%h).", owner.node, other.incarnation, other.pid,
-            (other.process or "?").split(liveness.SEP)[0], other.db_now - other.heartbeat_at,
-            extra={"action": "duplicate_node_name", "incarnation": other.incarnation})
+        renewed = other.db_now - other.heartbeat_at
+        alive = ("its process runs on this host" if liveness.is_alive(other.process)
+                 else "its database session is alive" if probe == SESSION_ALIVE else None)
+        if alive is not None:
+            log.warning(
+                "ANOTHER LIVE WORKER USES THE NODE NAME %s (incarnation %s, pid %d on %s; %s, "
+                "lease renewed %.0fs ago). Its claims are left alone, but give every worker "
+                "a unique name (celery worker -n name@%%h).", owner.node, other.incarnation,
+                other.pid, _host(other.process), alive, renewed,
+                extra={"action": "duplicate_node_name", "incarnation": other.incarnation})
+        else:
+            log.warning(
+                "CANNOT TELL WHETHER THE EARLIER START OF %s IS ALIVE (incarnation %s, pid %d "
+                "on %s; lease renewed %.0fs ago; it holds no liveness session, so only its "
+                "host could prove it dead). Its claims wait for its lease (%gs). On "
+                "PostgreSQL keep resilient_session_liveness on (with resilient_liveness_url "
+                "a direct URL behind a pooler), and give every worker a unique name.",
+                owner.node, other.incarnation, other.pid, _host(other.process), renewed,
+                rt.config.lease_seconds,
+                extra={"action": "duplicate_node_name", "incarnation": other.incarnation})
+
+
+    vouched = rt.store.succeed(owner)
+    if vouched:
+        log.info("%d earlier start(s) of %s found without a session by other workers are "
+                 "gone: this start replaces them", vouched, owner.node,
+                 extra={"action": "predecessor_dead"})
+
+
+def _host(process: str | None) -> str:
+    return (process or "?").split(liveness.SEP)[0]
 
 
 class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -79,6 +117,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         self.maintainer: Maintainer | None = None
         self.keeper: LeaseKeeper | None = None
+        self.guard: FencingGuard | None = None
         self.hostname: str | None = None
         super().__init__(worker, **kwargs)
 
@@ -93,6 +132,11 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         settle_predecessors(rt, owner)
         self.keeper = LeaseKeeper(rt, owner)
         self.keeper.start()
+        self.guard = FencingGuard(rt, owner, self.keeper)
+        self.guard.open_session()
+        self.guard.start()
+        log.info("celery-resilient: liveness=%s fence_after=%gs", self.guard.describe(),
+                 rt.config.fence_after, extra={"action": "startup"})
         self.maintainer = Maintainer(rt, owner, self.keeper, ConsumptionGate(worker))
         self.maintainer.start()
         celery_signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
@@ -135,8 +179,8 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             self._finish()
 
     def _finish(self) -> None:
-        maintainer, keeper = self.maintainer, self.keeper
-        self.maintainer = self.keeper = None
+        maintainer, keeper, guard = self.maintainer, self.keeper, self.guard
+        self.maintainer = self.keeper = self.guard = None
         celery_signals.worker_shutting_down.disconnect(self._on_shutting_down)
         celery_signals.worker_shutdown.disconnect(self._on_shutdown)
         if maintainer is None:
@@ -152,6 +196,10 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             log.warning("could not hand claims back on shutdown: %s", exc,
                         exc_info=not isinstance(exc, ResilientError))
         finally:
+            if guard is not None:
+                guard.stop()
+                guard.join(timeout=5)
+                guard.close()
             if keeper is not None:
                 keeper.stop()
                 keeper.join(timeout=5)

@@ -1,0 +1,170 @@
+"""Proof of death by PostgreSQL session: an advisory lock held for an incarnation's lifetime.
+
+PostgreSQL frees a session-level advisory lock when the session ends: a few milliseconds after
+its holder's process dies, on any host; after TCP keepalives give up when the holder's link is
+cut. A worker incarnation holds ``pg_advisory_lock(CLASS_ID, key)`` on a connection of its own
+(:class:`SessionLock`), so another session that can take that lock has proof that the
+incarnation's session is gone. The store marks it stopped in the same transaction as it takes
+the lock (``Store.prove_dead``), so no successor acts on a proof the holder could contest.
+
+What the proof rests on, and what it does not cover:
+
+- **A server restart or failover frees every lock.** The holder records which server start it
+  took its lock on (``workers.liveness_server``); a lock taken on another server start proves
+  nothing, and the incarnation is judged by its lease.
+- **A half-open link.** The holder's session GUCs (``tcp_keepalives_*``) make the server end the
+  session of a client that stopped answering within about ``SERVER_DETECTS_AFTER`` seconds; the
+  holder pings its session every ``PING_SECONDS`` with a ``tcp_user_timeout`` short enough to
+  notice a cut first, and stops its executions before the server could free its lock
+  (self-fencing, :mod:`celery_resilient.worker.liveness_session`).
+- **A pooler in transaction mode** (PgBouncer) cannot carry a session: the lock would stay on
+  a server connection other clients reuse, where a re-entrant acquisition by another client
+  would look like a proof. ``resilient_liveness_url`` names a direct connection; a probe that
+  finds the lock held by its own backend refuses to prove anything.
+- **A frozen holder** (SIGSTOP, a paused VM) keeps its session: its kernel still answers TCP.
+  No proof; its lease expires as before and epochs fence it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from celery_resilient.store.engine import sanitize_url
+
+log = logging.getLogger(__name__)
+
+#: The first key of every liveness lock ("RESI"): the two-integer advisory key space, apart
+#: from the single-bigint one the migrations use.
+CLASS_ID = 0x52455349
+#: How often the holder makes a round trip on its session.
+PING_SECONDS = 1.0
+#: Client side: sent data unacknowledged this long (ms) ends the holder's connection.
+CLIENT_TCP_USER_TIMEOUT_MS = 3000
+#: Server side, per session: a silent client is declared gone after idle + interval x count.
+SERVER_KEEPALIVES = {"tcp_keepalives_idle": 5, "tcp_keepalives_interval": 2,
+                     "tcp_keepalives_count": 3}
+SERVER_DETECTS_AFTER = 5 + 2 * 3
+
+
+def lock_key(prefix: str, incarnation: str) -> int:
+    """The second key of an incarnation's lock (a signed 32-bit integer).
+
+    Two incarnations that happen to share a key are both safe: the second cannot take its
+    lock and runs without one (judged by its lease), and a probe of one finds the lock held
+    by the other and proves nothing."""
+    digest = hashlib.blake2b(f"{prefix}:{incarnation}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def supports(url: str) -> bool:
+    return make_url(url).get_backend_name() == "postgresql"
+
+
+def server_start(conn: Connection) -> float:
+    """This server's start, in seconds since the epoch (changes at a restart or failover)."""
+    return float(conn.exec_driver_sql(
+        "SELECT EXTRACT(EPOCH FROM pg_postmaster_start_time())").scalar_one())
+
+
+def held_by_this_backend(conn: Connection, key: int) -> bool:
+    """Whether this very backend holds the lock: a pooler handed us the holder's session."""
+    return bool(conn.execute(text(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND classid::int = :c AND objid::int = :k AND objsubid = 2 "
+        "AND pid = pg_backend_pid())"), {"c": CLASS_ID, "k": key}).scalar_one())
+
+
+def try_lock_for_transaction(conn: Connection, key: int) -> bool:
+    """Take the lock until this transaction ends, if no other session holds it."""
+    return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:c, :k)"),
+                             {"c": CLASS_ID, "k": key}).scalar_one())
+
+
+def _connect_args(url: str) -> dict[str, Any]:
+    parsed = make_url(url)
+    args: dict[str, Any] = {"connect_timeout": 3, "keepalives": 1, "keepalives_idle": 1,
+                            "keepalives_interval": 1, "keepalives_count": 2,
+                            "tcp_user_timeout": CLIENT_TCP_USER_TIMEOUT_MS}
+    for name in list(args):
+        if name in parsed.query:
+            del args[name]
+    if parsed.get_driver_name() == "psycopg":
+        args["prepare_threshold"] = None
+    return args
+
+
+class SessionLock:
+    """This incarnation's liveness lock, on a connection of its own (never pooled)."""
+
+    def __init__(self, url: str, prefix: str, incarnation: str) -> None:
+        self.url = url
+        self.key = lock_key(prefix, incarnation)
+        self.engine: Engine = create_engine(url, poolclass=NullPool,
+                                            isolation_level="AUTOCOMMIT",
+                                            connect_args=_connect_args(url))
+        self._conn: Connection | None = None
+        #: The server start the lock was taken on (None: not held).
+        self.server: float | None = None
+        self.last_ok = 0.0
+
+    def __repr__(self) -> str:
+        return f"SessionLock({sanitize_url(self.url)!r}, key={self.key})"
+
+    @property
+    def held(self) -> bool:
+        return self._conn is not None and self.server is not None
+
+    def acquire(self) -> float | None:
+        """Open the session and take the lock; the server start, or None if another session
+        holds it (a probe of this very moment, or a key shared with another incarnation)."""
+        self.drop()
+        conn = self.engine.connect()
+        try:
+            for name, value in SERVER_KEEPALIVES.items():
+                conn.exec_driver_sql(f"SET {name} = {int(value)}")
+            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:c, :k)"),
+                                    {"c": CLASS_ID, "k": self.key}).scalar_one())
+            if not got:
+                conn.close()
+                return None
+            self.server = server_start(conn)
+        except Exception:
+            conn.close()
+            raise
+        self._conn = conn
+        self.last_ok = time.monotonic()
+        return self.server
+
+    def ping(self) -> float:
+        """A round trip on the session; the server start it answers from. Raises when the
+        session is gone (the lock with it)."""
+        if self._conn is None:
+            raise ConnectionError("the liveness session is not open")
+        start = server_start(self._conn)
+        self.last_ok = time.monotonic()
+        return start
+
+    def drop(self) -> None:
+        """Close the session (the server frees the lock)."""
+        conn, self._conn, self.server = self._conn, None, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception as exc:  # already broken: nothing more to free
+                log.debug("closing the liveness session: %s", exc)
+
+    def dispose(self) -> None:
+        self.drop()
+        self.engine.dispose()
+
+
+__all__ = ["CLASS_ID", "PING_SECONDS", "SERVER_DETECTS_AFTER", "SessionLock",
+           "held_by_this_backend", "lock_key", "server_start", "supports",
+           "try_lock_for_transaction"]

@@ -1,0 +1,49 @@
+"""Proof of death by session: the server start an incarnation's lock was taken on, and how
+it ended.
+
+Revision ID: 0007
+Revises: 0006
+Create Date: 2026-12-01
+
+A worker incarnation on PostgreSQL holds a session-level advisory lock for as long as it
+lives (``celery_resilient.store.liveness``). Another session that can take the lock has proof
+that the holder's session is gone, but only if the holder had taken it on the server that runs
+now: a restart or a failover frees every lock at once. ``liveness_server`` records that
+server's start time (``pg_postmaster_start_time()``, seconds since the epoch); NULL means the
+incarnation holds no such lock (SQLite, a pooler in transaction mode, or the proof turned off)
+and is judged by its lease alone.
+
+``ended_by`` says how an incarnation came to be stopped: ``stop`` (it stopped itself),
+``process`` (a successor on its host saw its process gone), ``successor`` (a later start of
+its node name found its session ended), ``session`` (another worker's sweep found its session
+ended: it may be alive behind a partition). NULL (before this revision) reads as ``stop``. A
+worker gives back everything a Redis holding of a stopped incarnation held, except for
+``session``: then only resumable tasks' messages, whose executions the store fences; plain
+tasks' stay until the incarnation is proven dead otherwise or kombu's visibility timeout.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+from celery_resilient.store.migrate import table_prefix
+
+revision = "0007"
+down_revision = "0006"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    p = table_prefix()
+    with op.batch_alter_table(f"{p}workers") as batch:
+        batch.add_column(sa.Column("liveness_server", sa.Float, nullable=True))
+        batch.add_column(sa.Column("ended_by", sa.String(16), nullable=True))
+
+
+def downgrade() -> None:
+    p = table_prefix()
+    with op.batch_alter_table(f"{p}workers") as batch:
+        batch.drop_column("ended_by")
+        batch.drop_column("liveness_server")

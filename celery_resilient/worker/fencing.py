@@ -1,0 +1,211 @@
+"""Self-fencing: a worker stops its resumable executions as soon as it may no longer own them.
+
+Other workers take an incarnation's claims when its lease expires, or at once when its
+liveness session is proven gone (:mod:`celery_resilient.store.liveness`). A worker that can
+no longer renew its lease, or that lost its liveness session, cannot tell whether that has
+happened. So :class:`FencingGuard` (a thread of the worker's main process, one tick a second)
+stops every pool process running resumable work:
+
+- **lease**: no renewal succeeded for ``lease_seconds - fence_margin`` (measured from the
+  moment the last successful renewal was sent, so its expiry on the store's clock is at
+  least ``fence_margin`` later);
+- **session**: the liveness session broke (its ping runs every second with a short
+  ``tcp_user_timeout``, so the worker notices a cut before the server frees the lock);
+- **declared dead**: another worker proved this incarnation gone. The worker then also shuts
+  down (exit code 1), so its supervisor starts it again as a new incarnation.
+
+Stopping is SIGKILL of those pool processes: Celery sees the loss and, as ``ResumableTask``
+sets ``reject_on_worker_lost``, gives the message back to the broker; the work resumes from
+its last checkpoint wherever it is taken next (a fence counts as one death of the work, as
+any lost execution does). While engaged, executions that start are stopped at the next tick.
+Plain tasks are left alone: they have no claim to lose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from celery.worker import state as worker_state
+
+from celery_resilient.core.identity import Owner
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store import liveness
+from celery_resilient.tasks.task import ResumableTask
+from celery_resilient.worker.lease import LeaseKeeper
+
+log = logging.getLogger(__name__)
+TICK_SECONDS = liveness.PING_SECONDS
+#: Exit code of a worker another worker proved dead (a supervisor should start it again).
+EX_DECLARED_DEAD = 1
+
+
+class Fence:
+    """Why this worker's resumable executions must not run now, and stopping them."""
+
+    def __init__(self) -> None:
+        self._reasons: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.stopped: list[int] = []
+
+    @property
+    def engaged(self) -> bool:
+        return bool(self._reasons)
+
+    def engage(self, reason: str, detail: str) -> None:
+        with self._lock:
+            new = reason not in self._reasons
+            self._reasons.setdefault(reason, time.monotonic())
+        if new:
+            log.error("SELF-FENCING (%s): %s; stopping this worker's resumable executions "
+                      "(they resume from their checkpoints wherever they are taken next)",
+                      reason, detail, extra={"action": "self_fenced", "reason": reason})
+        self.stop_executions()
+
+    def release(self, reason: str) -> None:
+        with self._lock:
+            was = self._reasons.pop(reason, None)
+            lifted = was is not None and not self._reasons
+        if lifted:
+            log.warning("fence lifted (%s restored after %.1fs): resumable work runs here again",
+                        reason, time.monotonic() - (was or 0.0),
+                        extra={"action": "fence_lifted", "reason": reason})
+
+    def stop_executions(self) -> list[int]:
+        """SIGKILL every pool process running a resumable task; return their pids."""
+        try:
+            running = list(worker_state.active_requests)
+        except RuntimeError:  # changed while copied: the next tick
+            return []
+        pids: list[int] = []
+        for request in running:
+            pid = getattr(request, "worker_pid", None)
+            if not pid or pid == os.getpid() or not isinstance(request.task, ResumableTask):
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            pids.append(pid)
+            log.error("fenced: stopped pool process %d running %s[%s]", pid, request.name,
+                      request.id, extra={"action": "execution_fenced", "task_id": request.id})
+        self.stopped.extend(pids)
+        return pids
+
+
+class FencingGuard(threading.Thread):
+    """Holds the liveness session and watches the lease; engages the fence when either is
+    lost (see the module docstring)."""
+
+    def __init__(self, rt: Runtime, owner: Owner, keeper: LeaseKeeper,
+                 fence: Fence | None = None) -> None:
+        super().__init__(name="celery-resilient-fencing", daemon=True)
+        self.rt = rt
+        self.owner = owner
+        self.keeper = keeper
+        self.fence = fence or Fence()
+        url = rt.config.liveness_target
+        self.session = (liveness.SessionLock(url, rt.config.table_prefix, owner.incarnation)
+                        if url is not None else None)
+        self._stop_event = threading.Event()
+        self._warned_held = False
+        self.shut_down = False
+
+    def describe(self) -> str:
+        """The banner's word for how this incarnation's death can be proven."""
+        if self.session is None:
+            cfg = self.rt.config
+            why = ("resilient_session_liveness=False" if not cfg.session_liveness
+                   else "SQLite: same host only")
+            return f"lease ({why})"
+        return "session" if self.session.held else "session (not held yet)"
+
+    def open_session(self) -> None:
+        """Take the liveness lock (at start, before any claim is made)."""
+        if self.session is not None:
+            self._acquire()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(TICK_SECONDS):
+            try:
+                self.tick()
+            except Exception:  # never let the guard die: log and go on
+                log.exception("fencing guard round failed")
+
+    def tick(self) -> None:
+        cfg = self.rt.config
+        if self.keeper.declared_dead:
+            self._declared_dead()
+            return
+        unrenewed = time.monotonic() - self.keeper.renewal_sent_at
+        if unrenewed > cfg.fence_after:
+            self.fence.engage("lease", f"the lease was last renewed {unrenewed:.1f}s ago "
+                              f"(lease {cfg.lease_seconds:g}s)")
+        else:
+            self.fence.release("lease")
+        if self.session is not None:
+            if self.session.held:
+                try:
+                    self.session.ping()
+                except Exception as exc:
+                    self.session.drop()
+                    self.fence.engage("session", f"the liveness session was lost ({exc}); "
+                                      "another worker may prove this one dead")
+            if not self.session.held:
+                self._acquire()
+        if self.fence.engaged:
+            self.fence.stop_executions()
+
+    def _acquire(self) -> None:
+        assert self.session is not None
+        try:
+            server = self.session.acquire()
+        except Exception as exc:
+            log.warning("liveness session not open (%s); retrying", exc,
+                        extra={"action": "liveness_retry"})
+            return
+        if server is None:
+            if not self._warned_held:
+                self._warned_held = True
+                log.warning("the liveness lock of this incarnation is held by another "
+                            "session (a probe right now, or a key shared by chance); "
+                            "retrying", extra={"action": "liveness_held"})
+            return
+        try:
+            alive = self.rt.store.heartbeat(self.owner, self.rt.config.lease_seconds)
+            if alive:
+                self.rt.store.record_liveness(self.owner, server)
+        except Exception as exc:  # the store went away: keep the lock, record it later
+            self.session.drop()
+            log.warning("could not record the liveness session (%s); retrying", exc,
+                        extra={"action": "liveness_retry"})
+            return
+        if not alive:
+            self.keeper.declared_dead = True
+            self._declared_dead()
+            return
+        self._warned_held = False
+        self.fence.release("session")
+
+    def _declared_dead(self) -> None:
+        self.fence.engage("declared dead", "another worker proved this incarnation gone and "
+                          "took its work")
+        if not self.shut_down:
+            self.shut_down = True
+            log.critical("this worker (%s, incarnation %s) was declared dead; shutting down "
+                         "so that it starts again as a new incarnation", self.owner.node,
+                         self.owner.incarnation, extra={"action": "declared_dead_exit"})
+            worker_state.should_stop = EX_DECLARED_DEAD  # Celery's loop raises WorkerShutdown
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.dispose()
+
+
+__all__ = ["EX_DECLARED_DEAD", "Fence", "FencingGuard"]

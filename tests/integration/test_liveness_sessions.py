@@ -1,0 +1,155 @@
+"""Proof of death by PostgreSQL session (celery_resilient.store.liveness): a real process
+holds an incarnation's advisory lock on a session of its own; the proof follows its session.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import update
+
+from celery_resilient.core import liveness
+from celery_resilient.store import liveness as session_liveness
+from celery_resilient.store.sql import (
+    ENDED_SESSION,
+    ENDED_SUCCESSOR,
+    PROVEN_DEAD,
+    SESSION_ALIVE,
+    UNJUDGED,
+    Store,
+)
+
+from .helpers import owner
+
+HOLDER = """
+import sys, time
+from celery_resilient.store.liveness import SessionLock
+lock = SessionLock(sys.argv[1], sys.argv[2], sys.argv[3])
+print(lock.acquire(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def pg_store(pg_url: str, table_prefix: str) -> Iterator[Store]:
+    s = Store(pg_url, table_prefix)
+    s.migrate()
+    yield s
+    s.dispose()
+
+
+def _hold(store: Store, incarnation: str) -> subprocess.Popen[str]:
+    """A process holding ``incarnation``'s liveness lock; its row records the server."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, store.url, store.prefix,
+                             incarnation], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    server = float(proc.stdout.readline())
+    store.record_liveness(owner(incarnation=incarnation), server)
+    return proc
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
+def test_a_dead_holders_session_is_proof_and_a_live_ones_is_not(pg_store: Store) -> None:
+    me, other = owner("w@a"), owner("w@b")
+    for who in (me, other):
+        pg_store.register(who, liveness.current(), 30)
+    holder = _hold(pg_store, other.incarnation)
+    try:
+        assert pg_store.prove_dead(other.incarnation) == SESSION_ALIVE
+        assert pg_store.lock_suspects(me, 0) == [other.incarnation]
+    finally:
+        _kill(holder)
+    # PostgreSQL frees the lock a few ms after the holder's process is gone
+    assert pg_store.prove_dead(other.incarnation) == PROVEN_DEAD
+    wk = pg_store.t.workers
+    with pg_store.engine.connect() as conn:
+        ended = conn.execute(wk.select().where(wk.c.incarnation == other.incarnation)).one()
+    assert ended.stopped_at is not None and ended.ended_by == ENDED_SESSION
+    assert pg_store.prove_dead(other.incarnation) == UNJUDGED, "already stopped"
+
+
+def test_a_successor_of_the_node_ends_it_as_successor(pg_store: Store) -> None:
+    earlier, later = owner("pod@pod-0"), owner("pod@pod-0")
+    pg_store.register(earlier, liveness.current(), 30)
+    pg_store.register(later, liveness.current(), 30)
+    _kill(_hold(pg_store, earlier.incarnation))
+    assert pg_store.prove_dead(earlier.incarnation, by=later) == PROVEN_DEAD
+    gone = pg_store.gone_incarnations([earlier.incarnation], later, 30)
+    assert gone.dead == {earlier.incarnation}
+    wk = pg_store.t.workers
+    with pg_store.engine.connect() as conn:
+        assert conn.execute(wk.select().where(wk.c.incarnation == earlier.incarnation)
+                            ).one().ended_by == ENDED_SUCCESSOR
+
+
+def test_a_session_proof_by_another_worker_takes_only_fenced_work(pg_store: Store) -> None:
+    """Found without a session by another worker's sweep, an incarnation may still run (a
+    partition): unproven; a later start of its node name vouches for its death."""
+    gone_one, sweeper = owner("x@h1"), owner("y@h2")
+    for who in (gone_one, sweeper):
+        pg_store.register(who, liveness.current(), 30)
+    _kill(_hold(pg_store, gone_one.incarnation))
+    assert pg_store.prove_dead(gone_one.incarnation) == PROVEN_DEAD
+    gone = pg_store.gone_incarnations([gone_one.incarnation], sweeper, 30)
+    assert (gone.dead, gone.unproven) == (set(), {gone_one.incarnation})
+    restart = owner("x@h1")
+    pg_store.register(restart, liveness.current(), 30)
+    assert pg_store.succeed(restart) == 1
+    assert pg_store.gone_incarnations([gone_one.incarnation], sweeper, 30).dead == {
+        gone_one.incarnation}
+
+
+def test_a_lock_taken_before_a_server_restart_proves_nothing(pg_store: Store) -> None:
+    """A restart or failover frees every lock: only a lock taken on this server start counts
+    (here the recorded start is moved back, as a restart would leave it)."""
+    me, other = owner(), owner()
+    for who in (me, other):
+        pg_store.register(who, liveness.current(), 30)
+    _kill(_hold(pg_store, other.incarnation))
+    wk = pg_store.t.workers
+    with pg_store.begin() as conn:
+        conn.execute(update(wk).where(wk.c.incarnation == other.incarnation)
+                     .values(liveness_server=wk.c.liveness_server - 3600))
+    assert pg_store.prove_dead(other.incarnation) == UNJUDGED
+    assert pg_store.lock_suspects(me, 0) == []
+
+
+def test_sqlite_has_no_sessions_to_judge(tmp_path: object, table_prefix: str) -> None:
+    store = Store(f"sqlite:///{tmp_path}/s.sqlite3", table_prefix)
+    store.migrate()
+    try:
+        who = owner()
+        store.register(who, liveness.current(), 30)
+        assert store.prove_dead(who.incarnation) == UNJUDGED
+        assert store.lock_suspects(owner(), 0) == []
+    finally:
+        store.dispose()
+
+
+def test_the_holders_session_is_its_own_connection(pg_url: str, table_prefix: str) -> None:
+    lock = session_liveness.SessionLock(pg_url, table_prefix, "inc-1")
+    try:
+        assert lock.acquire() is not None and lock.held
+        other = session_liveness.SessionLock(pg_url, table_prefix, "inc-1")
+        try:
+            assert other.acquire() is None, "the same key cannot be held twice"
+        finally:
+            other.dispose()
+        assert lock.ping() == lock.server
+        lock.drop()
+        assert not lock.held
+        with pytest.raises(ConnectionError):
+            lock.ping()
+    finally:
+        lock.dispose()
