@@ -38,6 +38,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
+from kombu.utils.uuid import uuid
 
 from celery_resilient.broker import keys
 from celery_resilient.broker.scripts import FETCH_SCRIPT, is_noscript
@@ -136,6 +137,8 @@ class Channel(kombu_redis.Channel):
         self._get_no_ack = False
         self._raw: redis.Redis[bytes] | None = None
         self._can_blmove: bool | None = None
+        #: The queue the last message came from: an idle channel waits on it.
+        self._last_queue: str | None = None
         _channels.add(self)
 
     # -- what the QoS asks -------------------------------------------------------------------
@@ -203,7 +206,10 @@ class Channel(kombu_redis.Channel):
             return
         queue_keys = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in queues]
         if self._idle:
-            command = self._wait_command(queue_keys[0])
+            # Wait where the last message came from (a steady stream on one queue of several
+            # wakes at once); kombu's cycle has just moved that queue to the back.
+            last = self._last_queue if self._last_queue in queues else queues[0]
+            command = self._wait_command(self._q_for_pri(last, self.priority_steps[0]))
             self._pending = (_WAIT, queue_keys)
         else:
             command = FETCH_SCRIPT.args(*self._fetch_call(queue_keys, self._holds(queues)))
@@ -239,6 +245,7 @@ class Channel(kombu_redis.Channel):
             position, item, held = reply
             dest = pending[1][int(position) - 1].rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
+            self._last_queue = dest
             payload = self._received(item, held)
             self.connection._deliver(payload, dest)
             return True
@@ -261,6 +268,16 @@ class Channel(kombu_redis.Channel):
             raise Empty()
         _position, item, held = reply
         return self._received(item, held)
+
+    def _do_restore_message(self, payload: Any, exchange: str, routing_key: str, pipe: Any,
+                            leftmost: bool = False) -> None:
+        """kombu's restore, under a new delivery tag: a late ack of the copy that was given
+        back (a worker that was only cut off) must not delete the entry of the copy the next
+        worker holds."""
+        properties = payload.get("properties") if isinstance(payload, dict) else None
+        if isinstance(properties, dict) and "delivery_tag" in properties:
+            properties["delivery_tag"] = uuid()
+        super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
 
     def _received(self, item: bytes, held: int) -> Any:
         payload = loads(bytes_to_str(item))

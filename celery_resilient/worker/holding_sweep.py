@@ -105,4 +105,17 @@ class HoldingSweep:
         return at is not None and at >= cutoff
 
 
-__all__ = ["HoldingSweep"]
+def forget_own(rt: Runtime, owner: Owner) -> None:
+    """At a clean stop, after kombu gave back what the channel held: drop this incarnation
+    from the holders registry (a later sweep would, once the store says it stopped)."""
+    with rt.app.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT)
+        channel = conn.default_channel
+        if holdings.is_redis(channel):
+            holdings.forget_empty(channel, owner.incarnation)
+
+
+#: Seconds a stopping worker waits for the broker to forget its holding.
+BROKER_TIMEOUT = 2.0
+
+__all__ = ["HoldingSweep", "forget_own"]

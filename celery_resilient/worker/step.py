@@ -26,7 +26,7 @@ from celery_resilient.errors import ResilientError
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import PROVEN_DEAD, SESSION_ALIVE, UNJUDGED
-from celery_resilient.worker import checks
+from celery_resilient.worker import checks, holding_sweep
 from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.fencing import FencingGuard
 from celery_resilient.worker.lease import LeaseKeeper
@@ -192,6 +192,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             maintainer.rt.outcomes.flush(maintainer.rt.store)
             maintainer.revokes.flush(maintainer.rt)
             maintainer.rt.store.mark_stopped(maintainer.owner, maintainer.rt.config.submit_timeout)
+            holding_sweep.forget_own(maintainer.rt, maintainer.owner)
         except Exception as exc:  # never cut Celery's shutdown short
             log.warning("could not hand claims back on shutdown: %s", exc,
                         exc_info=not isinstance(exc, ResilientError))
