@@ -43,6 +43,9 @@ class Runtime:
         self.outcomes = OutcomeBuffer(self.receipts.arrived)
         #: The worker's Redis fetch, for the startup banner (set at ``worker_init``).
         self.fetch_mode = "off (no worker_init seen)"
+        #: Wall-clock time the worker's consumer last lost its broker connection (None:
+        #: never): what it had fetched before may be held with nobody to run it.
+        self.broker_lost_at: float | None = None
         setattr(app, _ATTR, self)
 
     @classmethod

@@ -16,6 +16,7 @@ before it reconnects: this step's ``stop`` keeps only the ids Celery still knows
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import bootsteps
@@ -35,6 +36,14 @@ def known_task_ids() -> set[str]:
     return ids
 
 
+def known_task_ids_or_none() -> set[str] | None:
+    """:func:`known_task_ids`, or None when Celery changed them while they were copied."""
+    try:
+        return known_task_ids()
+    except RuntimeError:
+        return None
+
+
 class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """On every stop of the consumer (a lost connection, or shutdown): drop held ids that
     Celery itself dropped, so their claims lapse and are re-published."""
@@ -42,7 +51,11 @@ class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
     label = "celery-resilient connection"
 
     def stop(self, consumer: Any) -> None:
-        dropped = Runtime.of(consumer.app).held.retain(known_task_ids())
+        rt = Runtime.of(consumer.app)
+        # On Redis what the old connection fetched is still in this incarnation's holding:
+        # the maintainer gives back what Celery forgot (HoldingSweep.reconcile_own).
+        rt.broker_lost_at = time.time()
+        dropped = rt.held.retain(known_task_ids())
         if dropped:
             log.warning("broker connection closed: %d received message(s) Celery can no "
                         "longer acknowledge are let go; their claims are re-published once "
@@ -50,4 +63,4 @@ class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
                                                               "count": dropped})
 
 
-__all__ = ["ConnectionLossStep", "known_task_ids"]
+__all__ = ["ConnectionLossStep", "known_task_ids", "known_task_ids_or_none"]

@@ -31,6 +31,7 @@ from celery_resilient.broker import holdings
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.tasks.task import ResumableTask
+from celery_resilient.worker import connection
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class HoldingSweep:
         self.owner = owner
         #: task id -> monotonic time its message went back to its queue
         self._restored: dict[str, float] = {}
+        #: own tags Celery did not know at the last look (given back when seen twice)
+        self._forgotten: set[str] = set()
 
     @property
     def memory_seconds(self) -> float:
@@ -52,17 +55,18 @@ class HoldingSweep:
         return max(cfg.submit_timeout, 10 * cfg.sweep_interval)
 
     def run(self, conn: Any, judge_leases: bool) -> int:
-        """Give back what gone incarnations hold; return how many messages went back."""
+        """Give back what gone incarnations hold, and what this worker fetched on a broker
+        connection it has lost; return how many messages went back."""
         channel = conn.default_channel
         if not holdings.is_redis(channel):
             return 0
+        count = self.reconcile_own(channel)
         found = holdings.holders(channel)
         others = [inc for inc in found if inc != self.owner.incarnation]
         if not others:
-            return 0
+            return count
         gone = self.rt.store.gone_incarnations(
             others, self.owner, self.rt.config.lease_seconds, judge_leases)
-        count = 0
         for incarnation in sorted(gone.dead):
             count += self._give_back(channel, incarnation, "gone")
         for incarnation in sorted(gone.unproven):
@@ -75,6 +79,40 @@ class HoldingSweep:
                                          older_than=ceiling)
                 holdings.forget_empty(channel, incarnation)
         return count
+
+    def reconcile_own(self, channel: Any) -> int:
+        """After a lost broker connection: give back what this worker had fetched before it
+        and Celery no longer holds (prefetched and ETA messages of the old connection, a
+        fetch whose reply never arrived). Its running tasks keep theirs (Celery still knows
+        them). A tag counts as forgotten when two looks a sweep apart find it unknown, so a
+        task that ends between the two (no longer known, not yet acknowledged) is not sent
+        again."""
+        lost_at = self.rt.broker_lost_at
+        if lost_at is None:
+            return 0
+        known = connection.known_task_ids_or_none()
+        if known is None:
+            return 0
+        old = [h for h in holdings.held(channel, self.owner.incarnation)
+               if h.present and h.fetched_at is not None and h.fetched_at < lost_at]
+        if not old:  # nothing of the old connection is left
+            if self.rt.broker_lost_at == lost_at:  # (not a newer loss meanwhile)
+                self.rt.broker_lost_at = None
+            self._forgotten = set()
+            return 0
+        unknown = {h.tag for h in old if h.task_id is None or h.task_id not in known}
+        ready, self._forgotten = unknown & self._forgotten, unknown - self._forgotten
+        if not ready:
+            return 0
+        back = holdings.restore(channel, self.owner.incarnation, tags=ready)
+        if back:
+            ids = [h.task_id for h in back if h.task_id]
+            log.warning("gave back %d message(s) this worker fetched before its broker "
+                        "connection was lost and no longer holds", len(back),
+                        extra={"action": "holding_restored", "incarnation":
+                               self.owner.incarnation, "count": len(back),
+                               "task_ids": ids[:20]})
+        return len(back)
 
     def _resumable(self, held: holdings.Held) -> bool:
         task = self.rt.app.tasks.get(held.task_name) if held.task_name else None

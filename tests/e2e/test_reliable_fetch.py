@@ -13,6 +13,7 @@ import redis
 from celery_resilient.broker import keys
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.nodes import LocalWorker
+from celery_resilient.testing.services import ThrowawayRedis
 
 from .conftest import Project
 
@@ -22,9 +23,11 @@ SHORT_VISIBILITY = {"visibility_timeout": 2, "unacked_restore_interval": 1,
                     "unacked_restore_throttle": 1}
 
 
-def _worker(project: Project, name: str, **kwargs: object) -> LocalWorker:
-    return project.nodes.worker("tests.e2e.fetchkillproj", name=name, concurrency=2,
-                                queues=(project.queue,), env=project.env(), **kwargs)
+def _worker(project: Project, name: str, concurrency: int = 2, **kwargs: object
+            ) -> LocalWorker:
+    return project.nodes.worker("tests.e2e.fetchkillproj", name=name,
+                                concurrency=concurrency, queues=(project.queue,),
+                                env=project.env(), **kwargs)
 
 
 def _incarnation(worker: LocalWorker) -> str:
@@ -96,3 +99,38 @@ def test_a_shutdown_leaves_nothing_held(make_project: Callable[..., Project], re
              "every task to run")
     wait_for(lambda: not r.exists(keys.holding(incarnation)), 10, "the holding to be empty")
     assert r.zscore(keys.HOLDERS, incarnation) is None
+
+
+def test_plain_tasks_celery_forgot_at_a_broker_restart_come_back(
+        make_project: Callable[..., Project], effect_log: EffectLog) -> None:
+    """Redis restarted (its data kept) while a plain acks_late task runs and four wait in
+    prefetch. Celery forgets the prefetched ones with the old connection; they stay in the
+    live worker's holding, where kombu's own fetch would leave them in ``unacked`` for the
+    visibility timeout (an hour). The worker gives back what it no longer holds: all run,
+    the prefetched ones once each."""
+    server = ThrowawayRedis(persistent=True).start()
+    try:
+        project = make_project(server.url)
+        project.extra = {"resilient_sweep_interval": 1, "resilient_heartbeat_interval": 1,
+                         "resilient_lease_seconds": 6, "worker_prefetch_multiplier": 5}
+        worker = _worker(project, "restart", concurrency=1)
+        ids = [project.client.send_task("fetchkill.plain_late", args=(0, 4.0),
+                                        queue=project.queue).id]
+        ids += [project.client.send_task("fetchkill.plain_late", args=(i, 0.1),
+                                         queue=project.queue).id for i in range(1, 5)]
+        wait_for(lambda: effect_log.count(f"start:{ids[0]}") == 1, 30, "the first to start")
+        r = redis.Redis.from_url(server.url)
+        wait_for(lambda: r.scard(keys.holding(_incarnation(worker))) == 5, 30, "5 held")
+        r.close()
+        server.kill()
+        wait_for(lambda: "Connection to broker lost" in worker.process.logs()
+                 or worker.process.status == "exited", 30, "the worker to lose the broker")
+        server.start()
+        if worker.process.status == "exited":  # kombu's restore error: a supervisor restarts it
+            worker.restart()
+        wait_for(lambda: all(effect_log.count(f"end:{t}") >= 1 for t in ids), 60,
+                 "every task to run within 60 s")
+        for task_id in ids[1:]:
+            assert effect_log.count(f"start:{task_id}") == 1, task_id
+    finally:
+        server.destroy()
