@@ -10,7 +10,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from celery_resilient.broker import selection
+from celery_resilient.broker import link, selection
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.worker import receiving
@@ -65,9 +65,11 @@ class Resilient(Runtime):
             receiving.record_revoked(self, sender, request, terminated, expired)
 
     def _on_worker_init(self, sender: Any = None, **_: Any) -> None:
-        """Before the worker's consumer connects: consume Redis through the reliable fetch."""
+        """Before the worker's consumer connects: consume Redis through the reliable fetch,
+        and bound the broker link (socket timeouts, keepalives, heartbeats)."""
         if getattr(sender, "app", None) is self.app:
             self.fetch_mode = selection.apply(self.app, self.config.reliable_fetch)
+            self.broker_link, self.broker_link_warnings = link.apply(sender.app.conf)
 
     def _on_process_init(self, **_: Any) -> None:
         self.dispose_store()

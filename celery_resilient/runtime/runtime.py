@@ -43,6 +43,9 @@ class Runtime:
         self.outcomes = OutcomeBuffer(self.receipts.arrived)
         #: The worker's Redis fetch, for the startup banner (set at ``worker_init``).
         self.fetch_mode = "off (no worker_init seen)"
+        #: The bounds on the worker's broker link, and warnings about ones turned off.
+        self.broker_link = "as configured"
+        self.broker_link_warnings: list[str] = []
         #: Wall-clock time the worker's consumer last lost its broker connection (None:
         #: never): what it had fetched before may be held with nobody to run it.
         self.broker_lost_at: float | None = None

@@ -41,12 +41,14 @@ def startup(rt: Runtime, owner: Owner) -> None:
     _ = rt.store
     log.info(
         "celery-resilient: store=%s lease=%gs heartbeat=%gs sweep=%gs "
-        "max_attempts=%d durable_submit=%s reliable_fetch=%s node=%s incarnation=%s",
+        "max_attempts=%d durable_submit=%s reliable_fetch=%s broker_link=(%s) node=%s "
+        "incarnation=%s",
         sanitize_url(cfg.store_url), cfg.lease_seconds, cfg.heartbeat_interval,
-        cfg.sweep_interval, cfg.max_attempts, cfg.durable_submit, rt.fetch_mode, owner.node,
+        cfg.sweep_interval, cfg.max_attempts, cfg.durable_submit, rt.fetch_mode,
+        rt.broker_link, owner.node,
         owner.incarnation, extra={"action": "startup"},
     )
-    for warning in checks.time_limit_warnings(rt.app):
+    for warning in [*rt.broker_link_warnings, *checks.time_limit_warnings(rt.app)]:
         log.warning(warning, extra={"action": "config_warning"})
 
 

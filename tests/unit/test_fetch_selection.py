@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from celery import Celery
 
-from celery_resilient.broker import selection
+from celery_resilient.broker import link, selection
 
 
 def _conf(**settings: object) -> object:
@@ -50,3 +50,29 @@ def test_applying_it_keeps_kombus_tls_default_for_rediss() -> None:
     assert selection.apply(app, True) == "on"
     assert app.conf.broker_transport == selection.TRANSPORTS["rediss"]
     assert app.connection_for_read().ssl == plain_ssl
+
+
+def test_a_redis_link_gets_timeouts_and_keepalives_unless_set() -> None:
+    conf = _conf(broker_url="redis://x", broker_transport_options={"visibility_timeout": 7})
+    phrase, warnings = link.apply(conf)
+    options = conf.broker_transport_options
+    assert options["visibility_timeout"] == 7 and options["socket_timeout"] == 10.0
+    assert options["socket_keepalive"] is True and options["socket_keepalive_options"]
+    assert warnings == [] and "socket_timeout=10.0s" in phrase
+
+
+def test_a_users_own_unbounded_setting_is_kept_and_named() -> None:
+    conf = _conf(broker_url="redis://x", broker_transport_options={"socket_timeout": None})
+    _, warnings = link.apply(conf)
+    assert conf.broker_transport_options["socket_timeout"] is None
+    assert len(warnings) == 1 and "broker_transport_options['socket_timeout']=None" in warnings[0]
+
+
+def test_amqp_gets_short_heartbeats_unless_the_user_chose() -> None:
+    conf = _conf(broker_url="amqp://guest@localhost//")
+    assert link.apply(conf)[0] == "heartbeat=10s" and conf.broker_heartbeat == 10
+    mine = _conf(broker_url="amqp://guest@localhost//", broker_heartbeat=0)
+    phrase, warnings = link.apply(mine)
+    assert mine.broker_heartbeat == 0 and "broker_heartbeat=0" in warnings[0]
+    chosen = _conf(broker_url="amqp://guest@localhost//", broker_heartbeat=60)
+    assert link.apply(chosen) == ("heartbeat=60s", [])
