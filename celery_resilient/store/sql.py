@@ -190,9 +190,8 @@ class Ended:
 #: ``Store.prove_dead``: what a probe of an incarnation's liveness lock found.
 PROVEN_DEAD, SESSION_ALIVE, UNJUDGED = "proven dead", "session alive", "unjudged"
 #: ``workers.ended_by``: it stopped itself; a successor on its host saw its process gone; a
-#: later start of its node name, or another worker's sweep, found its session ended.
-ENDED_STOP, ENDED_PROCESS, ENDED_SUCCESSOR, ENDED_SESSION = (
-    "stop", "process", "successor", "session")
+#: later start of its node name found its session ended.
+ENDED_STOP, ENDED_PROCESS, ENDED_SUCCESSOR = "stop", "process", "successor"
 
 
 @dataclass(frozen=True)
@@ -201,8 +200,8 @@ class GoneIncarnations:
 
     ``dead``: the process is gone (it stopped, its successor saw it gone, or a later start of
     its node name found its session ended): everything it held. ``unproven``: its lease
-    expired, or another worker found its session ended, but it may still run (a partition,
-    a pause): only work the store fences. ``unknown``: no row names it."""
+    expired (or was ended because another worker found its session ended), but it may still
+    run (a partition, a pause): only work the store fences. ``unknown``: no row names it."""
 
     dead: set[str]
     unproven: set[str]
@@ -844,12 +843,11 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(
                 select(wk.c.incarnation, wk.c.stopped_at.is_not(None).label("stopped"),
-                       wk.c.ended_by, (lease_end < self.dialect.now()).label("expired"))
+                       (lease_end < self.dialect.now()).label("expired"))
                 .where(wk.c.incarnation.in_(wanted))).all()
             conn.rollback()
-        dead = {r.incarnation for r in rows if r.stopped and r.ended_by != ENDED_SESSION}
-        unproven = {r.incarnation for r in rows if r.incarnation not in dead and (
-            r.stopped or (judge_leases and r.expired))}
+        dead = {r.incarnation for r in rows if r.stopped}
+        unproven = {r.incarnation for r in rows if not r.stopped and judge_leases and r.expired}
         return GoneIncarnations(dead, unproven, set(wanted) - {r.incarnation for r in rows})
 
     @guarded
@@ -862,8 +860,9 @@ class Store:
 
     @guarded
     def lock_suspects(self, owner: Owner, stale_seconds: float) -> list[str]:
-        """Other incarnations whose liveness lock a probe may take: not stopped, holding a
-        lock taken on this server start (PostgreSQL), quiet for ``stale_seconds``."""
+        """Other incarnations whose liveness lock a probe may take: not stopped, their lease
+        not yet over (a probe is to beat it), holding a lock taken on this server start
+        (PostgreSQL), quiet for ``stale_seconds``."""
         if self.dialect.is_sqlite:
             return []
         wk = self.t.workers
@@ -873,23 +872,25 @@ class Store:
                 select(wk.c.incarnation, wk.c.liveness_server)
                 .where(wk.c.incarnation != owner.incarnation, wk.c.stopped_at.is_(None),
                        wk.c.liveness_server.is_not(None),
+                       wk.c.lease_expires_at > self.dialect.now(),
                        wk.c.heartbeat_at < self.dialect.now() - stale_seconds)).all()
             conn.rollback()
         return [r.incarnation for r in rows if abs(float(r.liveness_server) - here) < 1e-3]
 
     @guarded
     def prove_dead(self, incarnation: str, by: Owner | None = None) -> str:
-        """Take ``incarnation``'s liveness lock and, holding it, mark it stopped.
+        """Take ``incarnation``'s liveness lock and, holding it, record what its ended
+        session proves, in the same transaction.
 
         ``PROVEN_DEAD`` only with proof: its lock was taken on the server running now and no
-        other session holds it, so its session has ended; the mark and the lock share one
-        transaction. ``SESSION_ALIVE``: another session holds the lock. ``UNJUDGED``: no
-        proof either way (no lock recorded, a server restarted since, SQLite, already
-        stopped, or this very backend holds the lock: a pooler in transaction mode).
-
-        A proof by a later start of the same node name (``by``) ends it as ``successor``;
-        one by any other worker as ``session``: its holder may still run behind a partition,
-        so only its resumable work is taken (``gone_incarnations``)."""
+        other session holds it, so its session has ended. For a later start of the same node
+        name (``by``) that ends the incarnation (stopped, ``successor``): its process is gone,
+        everything it held goes back. For any other worker it may still run behind a
+        partition, so its lease is ended instead: its resumable work is taken back now (its
+        executions are fenced), and it renews its lease again if it comes back.
+        ``SESSION_ALIVE``: another session holds the lock. ``UNJUDGED``: no proof either way
+        (no lock recorded, a server restarted since, SQLite, already stopped, or this very
+        backend holds the lock: a pooler in transaction mode)."""
         if self.dialect.is_sqlite:
             return UNJUDGED
         wk = self.t.workers
@@ -911,23 +912,13 @@ class Store:
             if not liveness.try_lock_for_transaction(conn, key):
                 return SESSION_ALIVE
             now = self.dialect.now()
-            ended_by = ENDED_SUCCESSOR if by is not None and by.node == row.node else (
-                ENDED_SESSION)
-            conn.execute(update(wk).where(wk.c.incarnation == incarnation)
-                         .values(stopped_at=now, lease_expires_at=now, ended_by=ended_by))
+            if by is not None and by.node == row.node:
+                values: dict[str, Any] = {"stopped_at": now, "lease_expires_at": now,
+                                          "ended_by": ENDED_SUCCESSOR}
+            else:  # kept: a later start of its node name can still prove it dead
+                values = {"lease_expires_at": now}
+            conn.execute(update(wk).where(wk.c.incarnation == incarnation).values(**values))
         return PROVEN_DEAD
-
-    @guarded
-    def succeed(self, owner: Owner) -> int:
-        """A start of ``owner``'s node name vouches that earlier starts another worker found
-        with their session ended are gone (``session`` becomes ``successor``)."""
-        wk = self.t.workers
-        with self.begin() as conn:
-            return int(conn.execute(
-                update(wk).where(wk.c.node == owner.node,
-                                 wk.c.incarnation != owner.incarnation,
-                                 wk.c.ended_by == ENDED_SESSION)
-                .values(ended_by=ENDED_SUCCESSOR)).rowcount)
 
     @guarded
     def declare_dead(self, incarnation: str) -> bool:

@@ -130,17 +130,19 @@ class Maintainer(threading.Thread):
         return up_for is None or up_for >= lease
 
     def probe_suspects(self) -> int:
-        """Prove dead the incarnations whose heartbeat is late and whose liveness session
-        has ended (PostgreSQL): their work is taken back now, not when their lease expires.
-        A dead host's session ends once the server's keepalives give up on it."""
+        """End the lease of incarnations whose heartbeat is late and whose liveness session
+        has ended (PostgreSQL): their resumable work is taken back now, not when their lease
+        would have expired. A dead host's session ends once the server's keepalives give up
+        on it; a worker only cut off has fenced itself by then, and renews its lease again
+        when it comes back."""
         proven = 0
         stale = SUSPECT_AFTER_BEATS * self.rt.config.heartbeat_interval
         for incarnation in self.rt.store.lock_suspects(self.owner, stale):
             if self.rt.store.prove_dead(incarnation) == PROVEN_DEAD:
                 proven += 1
-                log.info("incarnation %s is gone: its database session has ended; its work "
-                         "is taken back now", incarnation,
-                         extra={"action": "incarnation_proven_dead", "incarnation": incarnation})
+                log.info("incarnation %s lost its database session: its lease is ended and its "
+                         "resumable work taken back now", incarnation,
+                         extra={"action": "lease_ended_by_session", "incarnation": incarnation})
         return proven
 
     def reconcile(self) -> int:

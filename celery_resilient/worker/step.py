@@ -99,11 +99,6 @@ def settle_predecessors(rt: Runtime, owner: Owner) -> None:
                 extra={"action": "duplicate_node_name", "incarnation": other.incarnation})
 
 
-    vouched = rt.store.succeed(owner)
-    if vouched:
-        log.info("%d earlier start(s) of %s found without a session by other workers are "
-                 "gone: this start replaces them", vouched, owner.node,
-                 extra={"action": "predecessor_dead"})
 
 
 def _host(process: str | None) -> str:

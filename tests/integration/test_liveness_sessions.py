@@ -16,7 +16,6 @@ from sqlalchemy import update
 from celery_resilient.core import liveness
 from celery_resilient.store import liveness as session_liveness
 from celery_resilient.store.sql import (
-    ENDED_SESSION,
     ENDED_SUCCESSOR,
     PROVEN_DEAD,
     SESSION_ALIVE,
@@ -75,8 +74,11 @@ def test_a_dead_holders_session_is_proof_and_a_live_ones_is_not(pg_store: Store)
     wk = pg_store.t.workers
     with pg_store.engine.connect() as conn:
         ended = conn.execute(wk.select().where(wk.c.incarnation == other.incarnation)).one()
-    assert ended.stopped_at is not None and ended.ended_by == ENDED_SESSION
-    assert pg_store.prove_dead(other.incarnation) == UNJUDGED, "already stopped"
+    # Found by another worker: its lease ends (resumable work is taken back), it is not
+    # stopped (it may run on behind a partition), and sweeps probe it no more.
+    assert ended.stopped_at is None and ended.lease_expires_at <= pg_store.now()
+    assert pg_store.lock_suspects(me, 0) == []
+    assert pg_store.heartbeat(other, 30), "it renews its lease if it comes back"
 
 
 def test_a_successor_of_the_node_ends_it_as_successor(pg_store: Store) -> None:
@@ -95,7 +97,8 @@ def test_a_successor_of_the_node_ends_it_as_successor(pg_store: Store) -> None:
 
 def test_a_session_proof_by_another_worker_takes_only_fenced_work(pg_store: Store) -> None:
     """Found without a session by another worker's sweep, an incarnation may still run (a
-    partition): unproven; a later start of its node name vouches for its death."""
+    partition): unproven, only its resumable work goes back. A later start of its node name
+    that finds the session still ended proves it dead: everything goes back."""
     gone_one, sweeper = owner("x@h1"), owner("y@h2")
     for who in (gone_one, sweeper):
         pg_store.register(who, liveness.current(), 30)
@@ -105,7 +108,7 @@ def test_a_session_proof_by_another_worker_takes_only_fenced_work(pg_store: Stor
     assert (gone.dead, gone.unproven) == (set(), {gone_one.incarnation})
     restart = owner("x@h1")
     pg_store.register(restart, liveness.current(), 30)
-    assert pg_store.succeed(restart) == 1
+    assert pg_store.prove_dead(gone_one.incarnation, by=restart) == PROVEN_DEAD
     assert pg_store.gone_incarnations([gone_one.incarnation], sweeper, 30).dead == {
         gone_one.incarnation}
 

@@ -72,7 +72,7 @@ def test_amqp_gets_short_heartbeats_unless_the_user_chose() -> None:
     conf = _conf(broker_url="amqp://guest@localhost//")
     assert link.apply(conf)[0] == "heartbeat=10s" and conf.broker_heartbeat == 10
     mine = _conf(broker_url="amqp://guest@localhost//", broker_heartbeat=0)
-    phrase, warnings = link.apply(mine)
+    _, warnings = link.apply(mine)
     assert mine.broker_heartbeat == 0 and "broker_heartbeat=0" in warnings[0]
     chosen = _conf(broker_url="amqp://guest@localhost//", broker_heartbeat=60)
     assert link.apply(chosen) == ("heartbeat=60s", [])

@@ -15,11 +15,9 @@ and is judged by its lease alone.
 
 ``ended_by`` says how an incarnation came to be stopped: ``stop`` (it stopped itself),
 ``process`` (a successor on its host saw its process gone), ``successor`` (a later start of
-its node name found its session ended), ``session`` (another worker's sweep found its session
-ended: it may be alive behind a partition). NULL (before this revision) reads as ``stop``. A
-worker gives back everything a Redis holding of a stopped incarnation held, except for
-``session``: then only resumable tasks' messages, whose executions the store fences; plain
-tasks' stay until the incarnation is proven dead otherwise or kombu's visibility timeout.
+its node name found its session ended). NULL: stopped before this revision. Another worker's
+sweep that finds a session ended does not stop the incarnation (it may run on behind a
+partition): it ends its lease.
 """
 
 from __future__ import annotations
