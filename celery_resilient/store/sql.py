@@ -190,8 +190,11 @@ class Ended:
 #: ``Store.prove_dead``: what a probe of an incarnation's liveness lock found.
 PROVEN_DEAD, SESSION_ALIVE, UNJUDGED = "proven dead", "session alive", "unjudged"
 #: ``workers.ended_by``: it stopped itself; a successor on its host saw its process gone; a
-#: later start of its node name found its session ended.
-ENDED_STOP, ENDED_PROCESS, ENDED_SUCCESSOR = "stop", "process", "successor"
+#: later start of its node name found its session ended (all three stopped); another worker
+#: found its session ended (not stopped: it may run on behind a partition, and clears the
+#: mark when it renews its lease again).
+ENDED_STOP, ENDED_PROCESS, ENDED_SUCCESSOR, ENDED_SESSION = (
+    "stop", "process", "successor", "session")
 
 
 @dataclass(frozen=True)
@@ -802,7 +805,7 @@ class Store:
         with self.single() as conn:
             stopped = conn.execute(
                 update(wk).where(wk.c.incarnation == owner.incarnation)
-                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds)
+                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds, ended_by=None)
                 .returning(wk.c.stopped_at)).first()
             if stopped is None:  # the row was pruned: record it again
                 conn.execute(self.dialect.insert(wk).values(
@@ -843,11 +846,15 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(
                 select(wk.c.incarnation, wk.c.stopped_at.is_not(None).label("stopped"),
+                       (wk.c.ended_by == ENDED_SESSION).label("session_ended"),
                        (lease_end < self.dialect.now()).label("expired"))
                 .where(wk.c.incarnation.in_(wanted))).all()
             conn.rollback()
         dead = {r.incarnation for r in rows if r.stopped}
-        unproven = {r.incarnation for r in rows if not r.stopped and judge_leases and r.expired}
+        # A session found ended is proof even within a lease of an outage (the grace is for
+        # owners that could not renew; this one's executions have fenced themselves).
+        unproven = {r.incarnation for r in rows if not r.stopped and (
+            r.session_ended or (judge_leases and r.expired))}
         return GoneIncarnations(dead, unproven, set(wanted) - {r.incarnation for r in rows})
 
     @guarded
@@ -871,7 +878,7 @@ class Store:
             rows = conn.execute(
                 select(wk.c.incarnation, wk.c.liveness_server)
                 .where(wk.c.incarnation != owner.incarnation, wk.c.stopped_at.is_(None),
-                       wk.c.liveness_server.is_not(None),
+                       wk.c.liveness_server.is_not(None), wk.c.ended_by.is_(None),
                        wk.c.lease_expires_at > self.dialect.now(),
                        wk.c.heartbeat_at < self.dialect.now() - stale_seconds)).all()
             conn.rollback()
@@ -915,8 +922,8 @@ class Store:
             if by is not None and by.node == row.node:
                 values: dict[str, Any] = {"stopped_at": now, "lease_expires_at": now,
                                           "ended_by": ENDED_SUCCESSOR}
-            else:  # kept: a later start of its node name can still prove it dead
-                values = {"lease_expires_at": now}
+            else:  # liveness_server kept: a later start of its node name can still prove it
+                values = {"lease_expires_at": now, "ended_by": ENDED_SESSION}
             conn.execute(update(wk).where(wk.c.incarnation == incarnation).values(**values))
         return PROVEN_DEAD
 
@@ -1035,6 +1042,17 @@ class Store:
         return len(lapse) + len(let_go)
 
     @guarded
+    def release_reserved(self, owner: Owner) -> int:
+        """Let go of ``owner``'s reserved claims (work received, not started): other
+        workers' sweeps re-publish them. For a worker cut off from its broker."""
+        w = self.t.work
+        now = self.dialect.now()
+        with self.begin() as conn:
+            return int(conn.execute(
+                update(w).where(w.c.incarnation == owner.incarnation, w.c.state == RESERVED)
+                .values(incarnation=None, owner_pid=None, lease_expires_at=now)).rowcount)
+
+    @guarded
     def mark_stopped(self, owner: Owner, hold_seconds: float) -> None:
         """A clean stop: prefetched claims go back to ``requeued``; the incarnation is over.
 
@@ -1079,7 +1097,9 @@ class Store:
         w, rv, wk = self.t.work, self.t.revocations, self.t.workers
         now = self.dialect.now()
         owner_row = select(wk.c.incarnation).where(wk.c.incarnation == w.c.incarnation)
-        stopped = exists(owner_row.where(wk.c.stopped_at.is_not(None)))
+        # stopped, or found without its session by another worker (see prove_dead)
+        stopped = exists(owner_row.where(or_(wk.c.stopped_at.is_not(None),
+                                             wk.c.ended_by == ENDED_SESSION)))
         own_deadline = and_(~exists(owner_row), w.c.lease_expires_at < now)
         if judge_leases:
             # Never the sweeper's own incarnation: it is alive (it is sweeping), and it lets

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy import create_engine, inspect, text
@@ -50,7 +51,9 @@ def _pg_bin(name: str) -> str:
 class ThrowawayPostgres:
     """A PostgreSQL cluster of its own (``initdb``), run as ``postgres`` when we are root."""
 
-    def __init__(self, max_connections: int = 100) -> None:
+    def __init__(self, max_connections: int = 100, also_listen: Sequence[str] = ()) -> None:
+        #: Addresses besides 127.0.0.1 it listens on, and accepts anyone from (tests only).
+        self.also_listen = list(also_listen)
         self.dir = Path(tempfile.mkdtemp(prefix="resilient-pg-", dir="/tmp"))
         self.data = self.dir / "data"
         self.log = self.dir / "server.log"
@@ -68,11 +71,19 @@ class ThrowawayPostgres:
     def init(self) -> ThrowawayPostgres:
         self._run(_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
                   "--no-sync", "-E", "UTF8")
+        if self.also_listen:
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write("host all all 0.0.0.0/0 trust\n")
         return self
+
+    def url_on(self, host: str) -> str:
+        """The URL by one of its other addresses."""
+        return self.url.replace("@127.0.0.1:", f"@{host}:")
 
     def start(self) -> None:
         self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60",
-                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses="
+                  f"{','.join(['127.0.0.1', *self.also_listen])} "
                   f"-c max_connections={self.max_connections}", "start")
 
     def stop_immediately(self) -> None:
@@ -105,7 +116,8 @@ class ThrowawayPostgres:
 class ThrowawayRedis:
     """A ``redis-server`` of its own; ``persistent`` keeps data across a kill (AOF, fsync)."""
 
-    def __init__(self, persistent: bool = False) -> None:
+    def __init__(self, persistent: bool = False, also_listen: Sequence[str] = ()) -> None:
+        self.also_listen = list(also_listen)
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found: install Redis")
@@ -121,11 +133,16 @@ class ThrowawayRedis:
                        else ["--appendonly", "no"])
         with (self.dir / "server.log").open("ab") as out:
             self.proc = subprocess.Popen(
-                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                 *self.also_listen, "--dir",
                  str(self.dir), "--save", "", "--protected-mode", "no", *persistence],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(self.answers, 30, f"redis-server on port {self.port}")
         return self
+
+    def url_on(self, host: str) -> str:
+        """The URL by one of its other addresses."""
+        return self.url.replace("//127.0.0.1:", f"//{host}:")
 
     def answers(self) -> bool:
         try:

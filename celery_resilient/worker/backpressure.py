@@ -45,7 +45,9 @@ class ConsumptionGate:
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         self._lock = threading.Lock()
-        self._want_paused = False
+        self._store_down = False
+        #: Set while the worker fences itself (worker.fencing): it must not take work.
+        self._fenced: str | None = None
         self._reason = ""
         self._scheduled_at: float | None = None  # when a change was handed to the loop
         self._unsupported_logged = False
@@ -59,17 +61,33 @@ class ConsumptionGate:
         """True while the worker's task queues are cancelled by this gate."""
         return self._paused
 
+    @property
+    def _want_paused(self) -> bool:
+        return self._store_down or self._fenced is not None
+
     def store_down(self, reason: str) -> None:
         """The store did not answer: stop taking messages (applied on the event loop)."""
         with self._lock:
-            self._want_paused = True
+            self._store_down = True
             self._reason = " ".join(reason.split())  # one log line, whatever the driver says
         self._schedule()
 
     def store_up(self) -> None:
-        """The store answered: consume the queues consumed before the pause again."""
+        """The store answered: consume the queues consumed before the pause again (unless
+        the worker is fencing itself)."""
         with self._lock:
-            self._want_paused = False
+            self._store_down = False
+        self._schedule()
+
+    def fence(self, reason: str) -> None:
+        """The worker fences itself: take no work until :meth:`unfence`."""
+        with self._lock:
+            self._fenced = self._reason = f"fenced: {reason}"
+        self._schedule()
+
+    def unfence(self) -> None:
+        with self._lock:
+            self._fenced = None
         self._schedule()
 
     # -- maintainer thread side ------------------------------------------------------------

@@ -35,6 +35,7 @@ from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store import liveness
 from celery_resilient.tasks.task import ResumableTask
+from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.lease import LeaseKeeper
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,15 @@ EX_DECLARED_DEAD = 1
 
 
 class Fence:
-    """Why this worker's resumable executions must not run now, and stopping them."""
+    """Why this worker's resumable executions must not run now, and stopping them. While
+    engaged the worker takes no work (``gate``), so it does not sit on messages it cannot
+    run while other workers could."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: ConsumptionGate | None = None) -> None:
         self._reasons: dict[str, float] = {}
         self._lock = threading.Lock()
         self.stopped: list[int] = []
+        self.gate = gate
 
     @property
     def engaged(self) -> bool:
@@ -63,12 +67,16 @@ class Fence:
             log.error("SELF-FENCING (%s): %s; stopping this worker's resumable executions "
                       "(they resume from their checkpoints wherever they are taken next)",
                       reason, detail, extra={"action": "self_fenced", "reason": reason})
+            if self.gate is not None:
+                self.gate.fence(reason)
         self.stop_executions()
 
     def release(self, reason: str) -> None:
         with self._lock:
             was = self._reasons.pop(reason, None)
             lifted = was is not None and not self._reasons
+        if lifted and self.gate is not None:
+            self.gate.unfence()
         if lifted:
             log.warning("fence lifted (%s restored after %.1fs): resumable work runs here again",
                         reason, time.monotonic() - (was or 0.0),
@@ -101,12 +109,12 @@ class FencingGuard(threading.Thread):
     lost (see the module docstring)."""
 
     def __init__(self, rt: Runtime, owner: Owner, keeper: LeaseKeeper,
-                 fence: Fence | None = None) -> None:
+                 fence: Fence | None = None, gate: ConsumptionGate | None = None) -> None:
         super().__init__(name="celery-resilient-fencing", daemon=True)
         self.rt = rt
         self.owner = owner
         self.keeper = keeper
-        self.fence = fence or Fence()
+        self.fence = fence or Fence(gate)
         url = rt.config.liveness_target
         self.session = (liveness.SessionLock(url, rt.config.table_prefix, owner.incarnation)
                         if url is not None else None)

@@ -29,6 +29,8 @@ REVOKE_POLL_SECONDS = 1.0
 #: After a wake for new receipts, how long to let more arrive before one flush writes them
 #: all: under load one statement carries many deliveries instead of one each.
 RECEIPT_COALESCE_SECONDS = 0.005
+#: Seconds the broker may be unreachable before this worker lets go of its prefetched work.
+BROKER_LOST_AFTER = 10.0
 #: Heartbeats an incarnation may miss before a sweep probes its liveness session.
 SUSPECT_AFTER_BEATS = 1.5
 #: A claim taken this recently may not be in Celery's active requests yet.
@@ -65,6 +67,8 @@ class Maintainer(threading.Thread):
         self.pruning = pruner.PruneThread(rt)
         self.pruner = self.pruning.pruner
         self._draining = False
+        self._broker_down_since: float | None = None
+        self._broker_released = False
 
     @property
     def draining(self) -> bool:
@@ -129,6 +133,29 @@ class Maintainer(threading.Thread):
         up_for = self.rt.store.up_for()
         return up_for is None or up_for >= lease
 
+    def broker_seen(self, answered: bool) -> None:
+        """After each sweep's broker check: a worker cut off from its broker for
+        :data:`BROKER_LOST_AFTER` lets go of its prefetched resumable work, whose reserved
+        claims other workers' sweeps then re-publish from the store (Celery may take long to
+        notice an idle consumer's link is gone). What it still holds runs nothing twice: a
+        copy that reaches a worker after the work was taken or done is skipped."""
+        now = time.monotonic()
+        if answered:
+            if self._broker_released:
+                log.info("broker reachable again", extra={"action": "broker_back"})
+            self._broker_down_since = None
+            self._broker_released = False
+            return
+        if self._broker_down_since is None:
+            self._broker_down_since = now
+        down = now - self._broker_down_since
+        if down >= BROKER_LOST_AFTER and not self._broker_released:
+            released = self.rt.store.release_reserved(self.owner)
+            self._broker_released = True
+            log.warning("broker unreachable for %.0fs: %d prefetched resumable claim(s) let "
+                        "go for other workers", down, released,
+                        extra={"action": "prefetched_released", "count": released})
+
     def probe_suspects(self) -> int:
         """End the lease of incarnations whose heartbeat is late and whose liveness session
         has ended (PostgreSQL): their resumable work is taken back now, not when their lease
@@ -175,7 +202,8 @@ class Maintainer(threading.Thread):
                         # outage.
                         self.last_failure = time.monotonic()
                     if not self.draining:
-                        recovery.sweep(self.rt, self.owner, self.judge_leases(), self.holding)
+                        recovery.sweep(self.rt, self.owner, self.judge_leases(), self.holding,
+                                       self.broker_seen)
                     next_sweep = now + cfg.sweep_interval
                     self.rounds += 1
                 failures = 0

@@ -10,7 +10,7 @@ redelivers later finds the work held or done and runs nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from celery_resilient import signals
 from celery_resilient.core import messages
@@ -29,7 +29,8 @@ BROKER_TIMEOUT = 2.0
 
 
 def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
-          holding: HoldingSweep | None = None) -> list[Orphan]:
+          holding: HoldingSweep | None = None,
+          reachable: Callable[[bool], None] | None = None) -> list[Orphan]:
     """One recovery round; returns the orphans it re-published (or found back in the
     broker's queue).
 
@@ -37,7 +38,8 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
     claimed (their re-publish counts and holds stay as they are), and one that fails to
     send is handed back to the next round without counting as re-published. On Redis the
     holdings of gone workers go back to their queues first (``holding``); an orphan whose
-    message went back that way is not published a second time.
+    message went back that way is not published a second time. ``reachable`` hears whether
+    the broker answered.
     """
     cfg = rt.config
     with rt.app.connection_for_write() as conn:
@@ -46,7 +48,11 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
         except Exception as exc:
             log.warning("broker unreachable (%s); orphans wait for the next sweep", exc,
                         extra={"action": "republish_failed"})
+            if reachable is not None:
+                reachable(False)
             return []
+        if reachable is not None:
+            reachable(True)
         if holding is not None:
             try:
                 holding.run(conn, judge_leases)

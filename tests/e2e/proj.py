@@ -46,6 +46,21 @@ def create_app(env: Mapping[str, str]) -> Celery:
         charged = self.ledger.once(f"charge:{self.work_key}", charge, self.work_key)
         return {"rows": rows, "notify": receipt, "charge": charged}
 
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.sparse")
+    def sparse(self: ResumableTask, rows: int, delay: float, every: int) -> int:
+        """An effect outside the store every row, a checkpoint only every ``every`` rows, a
+        step at the end: the shape that shows two executions running at once."""
+        state = self.checkpoint.load(default={"row": 0})
+        effects.record(f"start:{self.work_key}", row=state["row"], epoch=self.fencing_token)
+        for i in range(state["row"], rows):
+            time.sleep(delay)
+            effects.record(f"row:{self.work_key}:{i}", epoch=self.fencing_token)
+            if (i + 1) % every == 0:
+                self.checkpoint.save({"row": i + 1})
+        self.step("notify", notify, self.work_key)
+        effects.record(f"end:{self.work_key}", epoch=self.fencing_token)
+        return rows
+
     @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.short")
     def short(self: ResumableTask, n: int) -> int:
         effects.record(f"short:{self.work_key}")
