@@ -28,8 +28,12 @@ and at fixed points Redis is SIGKILLed and restarted, Redis is down for
 ``--broker-outage-seconds`` (a broker outage), PostgreSQL is stopped (``-m immediate``) and
 started at once, and PostgreSQL is down for the lease plus 3 s (a store outage longer than
 the lease: every lease looks expired when it returns; two "quiet" tasks, sent just before it,
-sleep through it in one row and must keep their claims). Two of the workers run under one node
-name (``-n same@%h``, ``--same-name``) for the whole run. A worker that exits, or must start
+sleep through it in one row and must keep their claims, unless their own worker fences them
+first: the outage is longer than the lease minus the fence margin). Two of the workers run
+under one node name (``-n same@%h``, ``--same-name``) for the whole run; one runs in a network
+namespace whose store link is cut without a reset for the lease plus 3 s (``--partitions``);
+every other whole-worker SIGKILL is followed by a restart in a new PID namespace (``unshare``,
+as a container restart). A worker that exits, or must start
 again while the broker or the store is down, is (re)started as a supervisor would, once both
 answer. Then every worker is up and the run drains. Bounded: ``--seconds`` is a hard deadline.
 
@@ -91,6 +95,7 @@ from celery_resilient.errors import ResilientError  # noqa: E402
 from celery_resilient.store.sql import Store  # noqa: E402
 from celery_resilient.testing import EffectLog  # noqa: E402
 from celery_resilient.testing.nodes import LocalWorker  # noqa: E402
+from celery_resilient.testing.partitions import NetworkNamespace  # noqa: E402
 from celery_resilient.testing.services import ThrowawayPostgres, ThrowawayRedis  # noqa: E402
 from celery_resilient.testing.waiting import WaitTimeout  # noqa: E402
 from celery_resilient.testing.waiting import wait_for as _wait_for  # noqa: E402
@@ -114,6 +119,8 @@ WORKER_SETTINGS = {
     "resilient_submit_timeout": 30,
 }
 STORE_OUTAGE = LEASE + 3  # seconds PostgreSQL stays down: every lease looks expired after it
+PARTITION = LEASE + 3  # seconds one worker's store link stays cut
+UNSHARE = ("unshare", "--pid", "--fork", "--mount-proc")
 #: "quiet" work (the long task, one row of QUIET_ROW seconds) is sent right before each store
 #: outage: its row spans the whole outage without touching the store, so its claim, under a
 #: lease that looks expired when the store returns, must survive the sweeps that follow.
@@ -238,6 +245,10 @@ class Figures:
     unplanned_exits: int = 0
     redis_restarts: int = 0
     pg_restarts: int = 0
+    container_restarts: int = 0
+    partitions: int = 0
+    partition_seconds: float = 0.0
+    self_fenced: int = 0
     deploys: int = 0
     deploys_mid_task: int = 0
     deploy_exit_max_seconds: float = 0.0
@@ -272,8 +283,12 @@ class Chaos:
         self.rng = random.Random(args.seed)
         self.dir = Path(tempfile.mkdtemp(prefix="chaos-run-", dir="/tmp"))
         self.effects = EffectLog(self.dir / "effects.jsonl")
-        self.redis = ThrowawayRedis(persistent=True)
-        self.pg = ThrowawayPostgres(max_connections=200)
+        # One worker runs in a network namespace whose store link a partition fault cuts.
+        self.ns = NetworkNamespace(2).create() if args.partitions else None
+        inner = [self.ns.host_ip(0)] if self.ns else []
+        self.redis = ThrowawayRedis(persistent=True,
+                                    also_listen=[self.ns.host_ip(1)] if self.ns else [])
+        self.pg = ThrowawayPostgres(max_connections=200, also_listen=inner)
         self.queue = f"chaos-{uuid.uuid4().hex[:8]}"
         self.workers: list[LocalWorker] = []
         self.down_until: dict[int, float] = {}
@@ -293,6 +308,8 @@ class Chaos:
         self.sent = 0
         self.send_error: BaseException | None = None
         self.store: Store | None = None
+        self.partitioned: int | None = None  # the worker inside the network namespace
+        self.group_restarts = 0
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -341,9 +358,15 @@ class Chaos:
             # The first --same-name workers share one node name (two workers on one host
             # without -n, host-network containers): neither may take the other's live claims.
             extra = ("-n", SAME_NAME) if i < same else ()
+            env, wrapper = self.env(), []
+            if self.ns is not None and i == self.args.workers - 1 and i >= same:
+                env["CHAOS_BROKER"] = self.redis.url_on(self.ns.host_ip(1))
+                env["CHAOS_STORE_URL"] = self.pg.url_on(self.ns.host_ip(0))
+                wrapper = self.ns.wrapper()
+                self.partitioned = i
             worker = LocalWorker(APP, self.dir / "logs", name=f"w{i}",
                                  concurrency=self.args.concurrency, queues=(self.queue,),
-                                 env=self.env(), cwd=str(ROOT), extra_args=extra)
+                                 env=env, cwd=str(ROOT), extra_args=extra, wrapper=wrapper)
             if extra:
                 worker.node_name = SAME_NAME  # the last -n wins; hostname() reports it
             self.workers.append(worker.start())
@@ -444,6 +467,12 @@ class Chaos:
             self.figures.delayed_restarts += 1
             log(f"SIGKILL w{i} (group); restart in {pause}s (others take over its claims)")
             return
+        self.group_restarts += 1
+        if self.group_restarts % 2 == 0:  # every other one as a container restart would be
+            self.figures.container_restarts += 1
+            self.restart(i, container=True)
+            log(f"SIGKILL w{i} (group); restarted at once in a new PID namespace")
+            return
         log(f"SIGKILL w{i} (group); restart now")
         self.restart(i)
 
@@ -498,13 +527,15 @@ class Chaos:
         log(f"deploy w{i}: exited {took}s after SIGTERM; starting it again")
         self.restart(i)
 
-    def restart(self, i: int) -> None:
+    def restart(self, i: int, container: bool = False) -> None:
         if self.outages:  # a supervisor's next try: once the broker and the store answer
             self.down_until[i] = 0.0
             log(f"w{i} starts once {' and '.join(sorted(self.outages))} answer(s) again")
             return
         self.down_until.pop(i, None)
         worker = self.workers[i]
+        netns = self.ns.wrapper() if self.ns is not None and i == self.partitioned else []
+        worker.process.wrapper = [*netns, *(UNSHARE if container else ())]
         for attempt in range(5):
             try:
                 worker.restart()
@@ -608,6 +639,24 @@ class Chaos:
         self.figures.store_outage_seconds = max(self.figures.store_outage_seconds, took)
         log(f"store outage over ({took}s)")
 
+    def partition(self) -> None:
+        """Cut the partitioned worker's store link (no reset) for the lease + 3 s: it must
+        fence itself before others take its work, and serve again after the heal."""
+        if self.ns is None or self.partitioned is None:
+            return
+        log(f"partition: w{self.partitioned}'s store link cut for {PARTITION}s (lease {LEASE}s)")
+        self.ns.cut(0)
+        self.partition_since = time.monotonic()
+        self.figures.partitions += 1
+        self.schedule(PARTITION, "heal")
+
+    def heal(self) -> None:
+        assert self.ns is not None
+        self.ns.heal(0)
+        took = round(time.monotonic() - self.partition_since, 1)
+        self.figures.partition_seconds = max(self.figures.partition_seconds, took)
+        log(f"partition healed ({took}s)")
+
     def restart_pg(self) -> None:
         if "store" in self.outages:  # the long outage is still on: restart it afterwards
             self.schedule(1.0, "pg")
@@ -641,13 +690,15 @@ class Chaos:
             + [(0.15 + 0.1 * n, "broker_down") for n in range(a.broker_outages)]
             + [(0.35 + 0.1 * n, "redis") for n in range(a.redis_restarts)]
             + [(0.45 + 0.1 * n, "store_down") for n in range(a.store_outages)]
-            + [(0.8 + 0.05 * n, "pg") for n in range(a.pg_restarts)])
+            + [(0.8 + 0.05 * n, "pg") for n in range(a.pg_restarts)]
+            + [(0.6 + 0.05 * n, "partition") for n in range(a.partitions)])
         for frac, what in planned:
             heapq.heappush(self.events, (frac * chaos_seconds, next(self.counter), what))
         actions = {"kill": self.kill_one, "deploy": self.deploy_one, "redis": self.restart_redis,
                    "pg": self.restart_pg, "broker_down": self.broker_down,
                    "broker_up": self.broker_up, "store_down": self.store_down,
-                   "store_up": self.store_up}
+                   "store_up": self.store_up, "partition": self.partition,
+                   "heal": self.heal}
         while self.events:
             at, _, what = heapq.heappop(self.events)
             while time.monotonic() - start < at:
@@ -752,6 +803,7 @@ class Chaos:
         logs = "".join(w.process.all_logs() for w in self.workers)
         f.handed_off = len(re.findall(r"handed off work \S+ at epoch", logs))
         f.same_name_warnings = logs.count("ANOTHER LIVE WORKER USES THE NODE NAME")
+        f.self_fenced = logs.count("SELF-FENCING (")
         return bad
 
     def _check_work(self, key: str, kind: str, a: tuple[Any, ...], row: Any,
@@ -904,6 +956,8 @@ class Chaos:
                 self.store.dispose()
             self.redis.destroy()
             self.pg.destroy()
+            if self.ns is not None:
+                self.ns.destroy()
         if self.figures.violations and code == 0:
             code = 1
         self.report(code)
@@ -923,6 +977,8 @@ class Chaos:
               f"node name ({f.same_name_warnings} warnings logged), {f.broker_outages} broker "
               f"outage(s) of {f.broker_outage_seconds}s, {f.store_outages} store outage(s) of "
               f"{f.store_outage_seconds}s (lease {LEASE}s)")
+        print(f"{f.container_restarts} restarts in a new PID namespace; {f.partitions} "
+              f"partition(s) of {f.partition_seconds}s; {f.self_fenced} self-fencing(s)")
         print(f"overlapping executions {f.overlaps}; writes refused by the fence "
               f"{f.fenced_writes}; executions alive through the store outage "
               f"{f.quiet_through_store_outage}")
@@ -962,6 +1018,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--broker-outage-seconds", type=float, default=6.0)
     p.add_argument("--store-outages", type=int, default=1,
                    help="PostgreSQL stopped for the lease + 3 s")
+    p.add_argument("--partitions", type=int, default=1,
+                   help="times one worker (run in a network namespace) has its store link "
+                   "cut for the lease + 3 s; 0: no namespace")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--keep", action="store_true", help="keep logs and effect log")
     p.add_argument("--visibility-timeout", type=float, default=0,

@@ -68,6 +68,9 @@ class ResilientConfig:
     #: Stop this worker's resumable executions once its lease went unrenewed for
     #: ``lease_seconds - fence_margin``; None: one ``heartbeat_interval``.
     fence_margin: float | None = None
+    #: False: a worker that may have lost its work keeps running it (only the store's epochs
+    #: refuse its writes); its executions may then overlap with a successor's.
+    self_fencing: bool = True
     sweep_interval: float = 5.0
     max_attempts: int = 5
     max_checkpoint_bytes: int = 1_048_576
@@ -273,6 +276,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "session_liveness": _as_bool,
     "liveness_url": _as_str,
     "fence_margin": _as_float,
+    "self_fencing": _as_bool,
     "sweep_interval": _as_float,
     "max_attempts": _as_positive_int,
     "max_checkpoint_bytes": _as_positive_int,

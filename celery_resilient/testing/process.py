@@ -20,6 +20,14 @@ from celery_resilient.testing.waiting import wait_for
 _SIGNALS = {name: getattr(signals, name) for name in dir(signals) if name.startswith("SIG")}
 
 
+def _children_of(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except FileNotFoundError:
+        return []
+    return [int(p) for p in text.split()]
+
+
 class LocalProcess:
     """``python -m celery <argv>`` with its log captured to a file; restartable."""
 
@@ -104,8 +112,8 @@ class LocalProcess:
         sig = _SIGNALS[signal] if isinstance(signal, str) else signal
         if group:
             os.killpg(self.proc.pid, sig)
-        else:
-            os.kill(self.proc.pid, sig)
+        else:  # the celery main process itself, even under a forking wrapper
+            os.kill(self.main_pid or self.proc.pid, sig)
         if sig == signals.SIGKILL:
             self.proc.wait(timeout=30)
             self._reap_group()
@@ -131,15 +139,19 @@ class LocalProcess:
     def teardown(self) -> None:
         self.kill("SIGKILL")
 
+    @property
+    def main_pid(self) -> int | None:
+        """The celery main process: the started process, or, under a wrapper that forks
+        (``unshare --fork``), its child."""
+        if self.pid is None or "--fork" not in self.wrapper:
+            return self.pid
+        forked = _children_of(self.pid)
+        return forked[0] if forked else None
+
     def children(self) -> list[int]:
-        """PIDs of the main process's direct children (the prefork pool)."""
-        if self.pid is None:
-            return []
-        try:
-            text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
-        except FileNotFoundError:
-            return []
-        return [int(p) for p in text.split()]
+        """PIDs of the celery main process's direct children (the prefork pool)."""
+        main = self.main_pid
+        return _children_of(main) if main is not None else []
 
     def _reap_group(self) -> None:
         """Wait until no process of the group is left (pool children die with PDEATHSIG)."""

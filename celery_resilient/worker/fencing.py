@@ -49,11 +49,13 @@ class Fence:
     engaged the worker takes no work (``gate``), so it does not sit on messages it cannot
     run while other workers could."""
 
-    def __init__(self, gate: ConsumptionGate | None = None) -> None:
+    def __init__(self, gate: ConsumptionGate | None = None, enabled: bool = True) -> None:
         self._reasons: dict[str, float] = {}
         self._lock = threading.Lock()
         self.stopped: list[int] = []
         self.gate = gate
+        #: ``resilient_self_fencing``: False logs what would be fenced and stops nothing.
+        self.enabled = enabled
 
     @property
     def engaged(self) -> bool:
@@ -63,6 +65,12 @@ class Fence:
         with self._lock:
             new = reason not in self._reasons
             self._reasons.setdefault(reason, time.monotonic())
+        if new and not self.enabled:
+            log.error("NOT SELF-FENCING (%s, resilient_self_fencing=False): %s; this worker's "
+                      "resumable executions go on, and may overlap with another worker's",
+                      reason, detail, extra={"action": "self_fencing_off", "reason": reason})
+        if not self.enabled:
+            return
         if new:
             log.error("SELF-FENCING (%s): %s; stopping this worker's resumable executions "
                       "(they resume from their checkpoints wherever they are taken next)",
@@ -75,7 +83,7 @@ class Fence:
         with self._lock:
             was = self._reasons.pop(reason, None)
             lifted = was is not None and not self._reasons
-        if lifted and self.gate is not None:
+        if lifted and self.gate is not None and self.enabled:
             self.gate.unfence()
         if lifted:
             log.warning("fence lifted (%s restored after %.1fs): resumable work runs here again",
@@ -114,7 +122,7 @@ class FencingGuard(threading.Thread):
         self.rt = rt
         self.owner = owner
         self.keeper = keeper
-        self.fence = fence or Fence(gate)
+        self.fence = fence or Fence(gate, enabled=rt.config.self_fencing)
         url = rt.config.liveness_target
         self.session = (liveness.SessionLock(url, rt.config.table_prefix, owner.incarnation)
                         if url is not None else None)
@@ -164,7 +172,7 @@ class FencingGuard(threading.Thread):
                                       "another worker may prove this one dead")
             if not self.session.held:
                 self._acquire()
-        if self.fence.engaged:
+        if self.fence.engaged and self.fence.enabled:
             self.fence.stop_executions()
 
     def _acquire(self) -> None:

@@ -132,8 +132,10 @@ def test_task_outliving_visibility_timeout_runs_once(make_project: Callable[...,
 
 def test_zombie_writes_are_refused(make_project: Callable[..., Project], redis_url: str,
                                    effect_log: EffectLog) -> None:
+    """The last line of defence, with self-fencing off (the zombie would otherwise stop its
+    execution as it wakes: test_a_woken_zombie_fences_itself): every write is refused."""
     project = make_project(redis_url)
-    project.extra = FAST
+    project.extra = {**FAST, "resilient_self_fencing": False}
     zombie = project.worker(name="zombie")
     key = project.send("fenced_probe", 60, 0.1, task_id="probe-1")
     wait_for(lambda: _checkpointed(project, key) >= 3, 30, "the probe to checkpoint")
@@ -159,6 +161,32 @@ def test_zombie_writes_are_refused(make_project: Callable[..., Project], redis_u
     wait_for(lambda: "fenced" in zombie.process.logs(), 30, "the zombie's result to be refused")
     after = project.store.get_work(key)
     assert after is not None and codec.decode(after.result_json) == "by-epoch-2"
+
+
+def test_a_woken_zombie_fences_itself(make_project: Callable[..., Project], redis_url: str,
+                                      effect_log: EffectLog) -> None:
+    """Frozen past its lease (SIGSTOP) while another worker took its work over: as it wakes,
+    its worker stops the execution before it writes anything; nothing of it lands."""
+    project = make_project(redis_url)
+    project.extra = FAST
+    zombie = project.worker(name="zombie")
+    key = project.send("fenced_probe", 60, 0.1, task_id="probe-2")
+    wait_for(lambda: _checkpointed(project, key) >= 3, 30, "the probe to checkpoint")
+    os.killpg(zombie.process.pid, signal.SIGSTOP)
+    try:
+        project.worker(name="rescuer")
+        wait_for(lambda: project.state(key) == "done", 40, "the rescuer to finish the work")
+    finally:
+        os.killpg(zombie.process.pid, signal.SIGCONT)
+    wait_for(lambda: "fenced: stopped pool process" in zombie.process.logs(), 30,
+             "the zombie to fence itself")
+    row = project.store.get_work(key)
+    assert row is not None and row.epoch == 2 and codec.decode(row.result_json) == "by-epoch-2"
+    counts = effect_log.counts()
+    for effect in (f"step:{key}", f"ledger:{key}", f"atomic:{key}"):
+        assert counts[effect] == 1, f"{effect} applied {counts[effect]} times"
+    for effect in (f"step:{key}:1", f"ledger:{key}:1"):
+        assert counts[effect] == 0, f"zombie effect {effect} was applied"
 
 
 def test_durable_submit_survives_broker_data_loss(make_project: Callable[..., Project],
