@@ -192,7 +192,7 @@ PROVEN_DEAD, SESSION_ALIVE, UNJUDGED = "proven dead", "session alive", "unjudged
 #: ``workers.ended_by``: it stopped itself; a successor on its host saw its process gone; a
 #: later start of its node name found its session ended (all three stopped); another worker
 #: found its session ended (not stopped: it may run on behind a partition, and clears the
-#: mark when it renews its lease again).
+#: mark when it holds its liveness lock again, after stopping its executions).
 ENDED_STOP, ENDED_PROCESS, ENDED_SUCCESSOR, ENDED_SESSION = (
     "stop", "process", "successor", "session")
 
@@ -805,7 +805,7 @@ class Store:
         with self.single() as conn:
             stopped = conn.execute(
                 update(wk).where(wk.c.incarnation == owner.incarnation)
-                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds, ended_by=None)
+                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds)
                 .returning(wk.c.stopped_at)).first()
             if stopped is None:  # the row was pruned: record it again
                 conn.execute(self.dialect.insert(wk).values(
@@ -864,6 +864,18 @@ class Store:
         with self.begin() as conn:
             conn.execute(update(wk).where(wk.c.incarnation == owner.incarnation)
                          .values(liveness_server=server))
+
+    @guarded
+    def take_session_mark(self, owner: Owner) -> bool:
+        """Clear the mark another worker left when it found ``owner``'s session ended; True
+        if there was one (its resumable work was taken: its executions must stop). Called
+        by ``owner`` holding its liveness lock again, so no new mark can come meanwhile."""
+        wk = self.t.workers
+        with self.begin() as conn:
+            return bool(conn.execute(
+                update(wk).where(wk.c.incarnation == owner.incarnation,
+                                 wk.c.ended_by == ENDED_SESSION, wk.c.stopped_at.is_(None))
+                .values(ended_by=None)).rowcount)
 
     @guarded
     def lock_suspects(self, owner: Owner, stale_seconds: float) -> list[str]:

@@ -9,8 +9,9 @@ stops every pool process running resumable work:
 - **lease**: no renewal succeeded for ``lease_seconds - fence_margin`` (measured from the
   moment the last successful renewal was sent, so its expiry on the store's clock is at
   least ``fence_margin`` later);
-- **session**: the liveness session broke (its ping runs every second with a short
-  ``tcp_user_timeout``, so the worker notices a cut before the server frees the lock);
+- **session**: the liveness session broke and could not be opened again within
+  ``SESSION_FENCE_AFTER`` (7 s) of its last answered ping, before the server could free the
+  lock (11 s or more); or, opened again, it finds another worker took its work meanwhile;
 - **declared dead**: another worker proved this incarnation gone. The worker then also shuts
   down (exit code 1), so its supervisor starts it again as a new incarnation.
 
@@ -40,6 +41,11 @@ from celery_resilient.worker.lease import LeaseKeeper
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = liveness.PING_SECONDS
+#: Seconds after the last answered ping a lost session fences, unless opened again before:
+#: the server frees the lock (so a proof can exist) no sooner than SERVER_DETECTS_AFTER
+#: after the last packet it got; a session lost to a server restart (which no proof can
+#: follow) is opened again within this and fences nothing.
+SESSION_FENCE_AFTER = liveness.SERVER_DETECTS_AFTER - 4
 #: Exit code of a worker another worker proved dead (a supervisor should start it again).
 EX_DECLARED_DEAD = 1
 
@@ -129,6 +135,9 @@ class FencingGuard(threading.Thread):
         self._stop_event = threading.Event()
         self._warned_held = False
         self.shut_down = False
+        #: Monotonic time of the last ping that answered before the session was lost.
+        self._lost_since: float | None = None
+        self._lost_why = ""
 
     def describe(self) -> str:
         """The banner's word for how this incarnation's death can be proven."""
@@ -167,11 +176,19 @@ class FencingGuard(threading.Thread):
                 try:
                     self.session.ping()
                 except Exception as exc:
+                    self._lost_since = self.session.last_ok
+                    self._lost_why = str(exc)
                     self.session.drop()
-                    self.fence.engage("session", f"the liveness session was lost ({exc}); "
-                                      "another worker may prove this one dead")
+                    log.warning("the liveness session was lost (%s); opening it again", exc,
+                                extra={"action": "liveness_lost"})
             if not self.session.held:
                 self._acquire()
+            lost = self._lost_since
+            if (not self.session.held and lost is not None
+                    and time.monotonic() - lost > SESSION_FENCE_AFTER):
+                self.fence.engage("session", f"the liveness session is lost "
+                                  f"({self._lost_why}); another worker may soon prove this "
+                                  "one gone")
         if self.fence.engaged and self.fence.enabled:
             self.fence.stop_executions()
 
@@ -191,6 +208,7 @@ class FencingGuard(threading.Thread):
                             "retrying", extra={"action": "liveness_held"})
             return
         try:
+            marked = self.rt.store.take_session_mark(self.owner)
             alive = self.rt.store.heartbeat(self.owner, self.rt.config.lease_seconds)
             if alive:
                 self.rt.store.record_liveness(self.owner, server)
@@ -203,7 +221,11 @@ class FencingGuard(threading.Thread):
             self.keeper.declared_dead = True
             self._declared_dead()
             return
+        if marked:  # its resumable work was taken while the session was gone
+            self.fence.engage("session", "another worker found this one's session ended and "
+                              "took its resumable work")
         self._warned_held = False
+        self._lost_since = None
         self.fence.release("session")
 
     def _declared_dead(self) -> None:

@@ -188,9 +188,11 @@ def test_store_outage_longer_than_the_lease_takes_no_live_claim(
     Worker "a" sweeps every 0.5 s; worker "b" renews its lease at most every 1.5 s while the
     store is down, so "a" reaches the store first and sees "b"'s lease long expired."""
     project = make_project(broker_url, throwaway_pg.url)
+    # Self-fencing off: this proves the sweeps' grace after an outage on its own (with it
+    # on, each owner would stop its executions first, as the outage outlasts the lease).
     project.extra = {"resilient_sweep_interval": 0.5, "resilient_heartbeat_interval": 1,
                      "resilient_lease_seconds": 6, "resilient_store_retry_base": 0.5,
-                     "resilient_store_retry_max": 1}
+                     "resilient_store_retry_max": 1, "resilient_self_fencing": False}
     workers = [_worker(project, "a"), _worker(project, "b", resilient_heartbeat_interval=3)]
     client = _client(project)
     steps, delay = 60, 0.25
