@@ -310,6 +310,7 @@ class Chaos:
         self.store: Store | None = None
         self.partitioned: int | None = None  # the worker inside the network namespace
         self.group_restarts = 0
+        self.cut = False  # the partitioned worker's store link is cut
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -470,8 +471,8 @@ class Chaos:
         self.group_restarts += 1
         if self.group_restarts % 2 == 0:  # every other one as a container restart would be
             self.figures.container_restarts += 1
+            log(f"SIGKILL w{i} (group); restart at once in a new PID namespace")
             self.restart(i, container=True)
-            log(f"SIGKILL w{i} (group); restarted at once in a new PID namespace")
             return
         log(f"SIGKILL w{i} (group); restart now")
         self.restart(i)
@@ -532,6 +533,10 @@ class Chaos:
             self.down_until[i] = 0.0
             log(f"w{i} starts once {' and '.join(sorted(self.outages))} answer(s) again")
             return
+        if i == self.partitioned and self.cut:  # it cannot reach the store: after the heal
+            self.down_until[i] = 0.0
+            log(f"w{i} starts once its store link heals")
+            return
         self.down_until.pop(i, None)
         worker = self.workers[i]
         netns = self.ns.wrapper() if self.ns is not None and i == self.partitioned else []
@@ -556,7 +561,7 @@ class Chaos:
         if self.outages:
             return
         for i, until in list(self.down_until.items()):
-            if until <= now:
+            if until <= now and not (i == self.partitioned and self.cut):
                 self.restart(i)
         for i, worker in enumerate(self.workers):
             if (i not in self.down_until and i not in self.stopping
@@ -646,6 +651,7 @@ class Chaos:
             return
         log(f"partition: w{self.partitioned}'s store link cut for {PARTITION}s (lease {LEASE}s)")
         self.ns.cut(0)
+        self.cut = True
         self.partition_since = time.monotonic()
         self.figures.partitions += 1
         self.schedule(PARTITION, "heal")
@@ -653,6 +659,7 @@ class Chaos:
     def heal(self) -> None:
         assert self.ns is not None
         self.ns.heal(0)
+        self.cut = False
         took = round(time.monotonic() - self.partition_since, 1)
         self.figures.partition_seconds = max(self.figures.partition_seconds, took)
         log(f"partition healed ({took}s)")
