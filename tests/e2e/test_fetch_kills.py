@@ -116,10 +116,13 @@ class Campaign:
         return self.effects.count(f"end:{task_id}") > 0
 
     def run(self, kills: int) -> None:
-        for k in range(kills):
+        """``kills`` SIGKILLs: every fifth round kills twice (the second right after the
+        restart into a backlog)."""
+        k = 0
+        while len(self.kills) < kills:
             victim = self.workers[k % len(self.workers)]
             victim.process.ready()
-            if k % 5 == 4:  # right after a restart into a backlog
+            if k % 5 == 4 and len(self.kills) < kills - 1:  # right after a restart, backlog
                 self.kill(victim)
                 self.send(24)
                 victim.process.ready()
@@ -128,6 +131,7 @@ class Campaign:
                 self.send(8)
                 time.sleep(self.rng.uniform(0, 0.3))
             self.kill(victim)
+            k += 1
         for w in self.workers:
             w.process.ready()
 
@@ -207,6 +211,7 @@ def _campaign(project: Project, effects: EffectLog, kills: int, seed: int) -> Ca
     # RabbitMQ's view here is the store's: resumable claims only, a third of the tasks
     enough = kills if campaign.redis is not None else kills // 4
     assert held >= enough, f"only {held} held messages over {kills} kills: the kills missed"
+    assert len(campaign.kills) == kills
     wait_for(lambda: _quiet(campaign), 30, "the workers to hold nothing")
     campaign.assert_nothing_left_in_redis()
     print(f"{len(campaign.kills)} kills, {len(campaign.sent)} tasks, {held} held at a kill, "
