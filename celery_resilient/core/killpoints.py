@@ -19,6 +19,9 @@ Points, in the order a task reaches them:
 ``before_ack``
     the result and ``done`` state committed, the broker message not yet acknowledged: the
     redelivered copy must return the stored result and run nothing.
+``after_failed``
+    the body raised and ``failed`` is committed, Celery not yet told (no FAILURE stored, no
+    errback run, no chord part counted): the redelivered copy must replay the failure.
 ``mid_prune``
     inside a retention batch's transaction: finished work rows deleted, their steps not yet
     (the batch must be rolled back whole).
@@ -45,7 +48,8 @@ from collections import Counter
 ENV = "RESILIENT_KILL_AT"
 ONCE_ENV = "RESILIENT_KILL_ONCE"
 SCOPE_ENV = "RESILIENT_KILL_SCOPE"
-POINTS = ("before_ack", "after_checkpoint", "after_step", "after_effect", "mid_prune")
+POINTS = ("before_ack", "after_failed", "after_checkpoint", "after_step", "after_effect",
+          "mid_prune")
 
 
 def parse(spec: str | None) -> dict[str, int]:

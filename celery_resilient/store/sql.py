@@ -153,8 +153,9 @@ class TakeOutcome:
 
     ``run``: execute under ``claim``; ``done``: return ``result`` without running; ``held``: a
     live execution owns it, run nothing; ``dead``: exceeded the death cap; ``duplicate``: this
-    very request already failed or was ignored and is not re-run; ``stopped``: this request
-    was revoked, expired or cancelled (``reason`` is that state).
+    very request was ignored and is not re-run; ``failed``: this very request already failed
+    (``result_json``: the failure in Celery's JSON form, if kept; ``reason``: its text);
+    ``stopped``: this request was revoked, expired or cancelled (``reason`` is that state).
     """
 
     action: str
@@ -589,6 +590,9 @@ class Store:
         if row.state in ENDED_BY_REQUEST and row.task_id == task_id:
             if row.state in STOPPED_STATES:
                 return TakeOutcome("stopped", reason=row.state)
+            if row.state == FAILED:
+                return TakeOutcome("failed", result_json=row.result_json,
+                                   reason=row.error or "failed")
             return TakeOutcome("duplicate", reason=f"this request already ended ({row.state})")
         if row.state in OPEN_STATES and retries < row.retries and row.task_id == task_id:
             return TakeOutcome("duplicate", reason=(
@@ -682,9 +686,13 @@ class Store:
         self._close(work_key, epoch, DONE, result_json=result_json)
 
     @guarded
-    def fail(self, work_key: str, epoch: int, error: str, state: str = FAILED) -> None:
-        """The execution ended without a result: ``failed``, or ``ignored`` (Celery's Ignore)."""
-        self._close(work_key, epoch, state, error=error[:4000])
+    def fail(self, work_key: str, epoch: int, error: str, state: str = FAILED,
+             failure_json: str | None = None) -> None:
+        """The execution ended without a result: ``failed``, or ``ignored`` (Celery's Ignore).
+
+        ``failure_json``: the exception in Celery's JSON form, kept in ``result_json`` so a
+        redelivered copy can tell Celery the same failure without running the body."""
+        self._close(work_key, epoch, state, result_json=failure_json, error=error[:4000])
 
     @guarded
     def release(self, work_key: str, epoch: int, hold_seconds: float,

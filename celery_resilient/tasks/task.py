@@ -188,7 +188,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
         if outcome.action == "done":
             signals.send(signals.duplicate_skipped, self.app, self.name, reason="done", **ctx)
-            if self._success_already_reported():
+            if self._already_reported("SUCCESS"):
                 # Celery sends chain steps and link callbacks before it stores SUCCESS, so
                 # they went out with the first success: a copy must not send them again.
                 log.info("work %s already done and reported; copy acknowledged", work_key,
@@ -197,6 +197,18 @@ class ResumableTask(Task):  # type: ignore[misc]
             log.info("work %s already done; returning its stored result", work_key,
                      extra={"action": "duplicate_skipped", **ctx})
             return codec.decode(outcome.result_json)
+        if outcome.action == "failed":
+            signals.send(signals.duplicate_skipped, self.app, self.name, reason="failed", **ctx)
+            if self._already_reported("FAILURE"):
+                log.info("work %s already failed and reported; copy acknowledged", work_key,
+                         extra={"action": "duplicate_skipped", **ctx})
+                raise Ignore()
+            # Failed in the store, but Celery was never told (the worker died in between):
+            # tell it now, as the first run would have: FAILURE, errbacks, the chord part.
+            log.warning("work %s failed before its worker died; replaying the failure to "
+                        "Celery without running the body", work_key,
+                        extra={"action": "failure_replayed", **ctx})
+            raise self._stored_failure(outcome.result_json, outcome.reason)
         if outcome.action in ("held", "duplicate"):
             log.info("work %s not run: %s", work_key, outcome.reason,
                      extra={"action": "duplicate_skipped", **ctx})
@@ -348,11 +360,25 @@ class ResumableTask(Task):  # type: ignore[misc]
         signals.send(signals.work_handed_off, self.app, self.name, epoch=epoch,
                      republished=sent, **ctx)
 
+    def _stored_failure(self, failure_json: str | None, reason: str) -> BaseException:
+        """The exception a failed request ended with, rebuilt from the store."""
+        if failure_json:
+            try:
+                exc = self.backend.exception_to_python(codec.decode(failure_json))
+                if isinstance(exc, BaseException):
+                    return exc
+            except Exception as err:  # an exception type not importable here
+                log.warning("stored failure of %s not rebuilt (%s)", self.request.id, err)
+        return ResilientError(f"this request already failed: {reason}")
+
     def _record_end(self, rt: Runtime, epoch: int, ctx: dict[str, Any], exc: BaseException,
                     state: str) -> None:
         """Record ``failed``/``ignored``; what to do when a newer execution owns the work."""
         try:
-            rt.store.fail(ctx["work_key"], epoch, f"{type(exc).__name__}: {exc}", state)
+            rt.store.fail(ctx["work_key"], epoch, f"{type(exc).__name__}: {exc}", state,
+                          _failure_json(exc) if state == FAILED else None)
+            if killpoints.ARMED and state == FAILED:
+                killpoints.reached("after_failed")
         except StaleClaimError as fenced:
             row = rt.store.get_work(ctx["work_key"])
             if row is not None and row.task_id == ctx["task_id"] and row.state == state:
@@ -368,17 +394,19 @@ class ResumableTask(Task):  # type: ignore[misc]
         log.warning("fenced: %s", error, extra={"action": "fenced", **ctx})
         signals.send(signals.work_fenced, self.app, self.name, epoch=epoch, error=error, **ctx)
 
-    def _success_already_reported(self) -> bool:
-        """Whether the result backend already holds SUCCESS for this request.
+    def _already_reported(self, state: str) -> bool:
+        """Whether the result backend already holds ``state`` (SUCCESS, FAILURE) for this
+        request.
 
-        Without a result backend nothing can tell; the copy then returns the stored result
-        (and Celery sends the request's callbacks again: docs/reliability.md).
+        Without a result backend nothing can tell; the copy then tells Celery again (the
+        stored result, or the stored failure), and Celery sends the request's callbacks or
+        errbacks again: docs/reliability.md.
         """
         req = self.request
         if req.is_eager or not self._stores_results():
             return False
         try:
-            return bool(self.backend.get_state(req.id) == "SUCCESS")
+            return bool(self.backend.get_state(req.id) == state)
         except Exception as exc:  # backend down: returning the stored result is the safe side
             log.warning("result backend unreadable for %s: %s", req.id, exc)
             return False
@@ -510,6 +538,20 @@ def _headers_of(req: Any) -> dict[str, Any]:
         if value is not None and name not in headers:
             headers[name] = value
     return headers
+
+
+def _failure_json(exc: BaseException) -> str | None:
+    """``exc`` in the form Celery's JSON result backends store an exception in."""
+    try:
+        return codec.encode({"exc_type": type(exc).__name__,
+                             "exc_message": list(exc.args),
+                             "exc_module": type(exc).__module__}, "a task's failure")
+    except Exception:  # arguments that are not JSON: keep the type and the text
+        try:
+            return codec.encode({"exc_type": type(exc).__name__, "exc_message": [str(exc)],
+                                 "exc_module": type(exc).__module__}, "a task's failure")
+        except Exception:
+            return None
 
 
 def _header(req: Any, name: str) -> Any:

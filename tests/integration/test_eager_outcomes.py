@@ -154,8 +154,10 @@ def test_exception_fails_and_a_copy_of_the_request_runs_nothing(proj: App) -> No
     first = task.apply(task_id="boom-1")
     assert first.state == "FAILURE" and isinstance(first.result, ValueError)
     assert _state(proj, first) == "failed"
-    again = task.apply(task_id="boom-1")  # a duplicate delivery of the same request
-    assert again.state == "IGNORED"
+    # A duplicate delivery of the same request: the stored failure is told again (its
+    # first telling may have died with its worker), the body does not run.
+    again = task.apply(task_id="boom-1")
+    assert again.state == "FAILURE" and isinstance(again.result, ValueError)
     assert proj.runs["boom"] == 1
     fresh = task.apply(task_id="boom-2")  # a new request for the work runs
     assert fresh.state == "FAILURE" and proj.runs["boom"] == 2

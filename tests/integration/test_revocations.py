@@ -74,7 +74,7 @@ def test_end_request_records_main_process_outcomes_once(store: Store) -> None:
     expire(store, "tl")
     assert store.claim_orphans(owner("sweeper@host"), 10, 30) == []
     dup = take(store, "tl", owner("b@host"), task_id="t-tl", is_live=always_live)
-    assert dup.action == "duplicate"
+    assert dup.action == "failed" and dup.reason == "TimeLimitExceeded(3)"
     _receive(store, "ex", "t-ex")
     store.end_request("t-ex", "expired", "its expires passed before it ran")
     assert take(store, "ex", owner("b@host"), task_id="t-ex").action == "stopped"

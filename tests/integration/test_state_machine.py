@@ -478,7 +478,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert a.unit.task_id == task_id, (
                 f"take of revoked task {task_id} ended the work of request {a.unit.task_id} "
                 f"({b.state if b else states.NEW} -> revoked): that request was not revoked")
-        if outcome.action == "duplicate":  # this request failed, or this copy is stale
+        if outcome.action in ("duplicate", "failed"):  # this request ended, or a stale copy
             assert b is not None and (task_id in self.ended.get(b.state, ()) or (
                 b.state in OPEN_STATES and b.unit.task_id == task_id
                 and retries < b.unit.retries)), (outcome, b.unit)
@@ -527,7 +527,10 @@ class StoreMachine(RuleBasedStateMachine):
         if u.state == DEAD:
             return ("dead", None), None
         if u.state in ENDED_BY_REQUEST and u.task_id == task_id:
-            return ("stopped" if u.state in STOPPED_STATES else "duplicate", None), None
+            if u.state in STOPPED_STATES:
+                return ("stopped", None), None
+            # a failed request's copy replays the failure (none kept here: fail() with text)
+            return ("failed" if u.state == FAILED else "duplicate", None), None
         if u.state in OPEN_STATES and retries < u.retries and u.task_id == task_id:
             return ("duplicate", None), None  # a copy of an earlier try of this request
         died = False

@@ -151,11 +151,15 @@ def test_deaths_reaching_max_attempts_mark_the_work_dead(store: Store) -> None:
     assert found is not None and codec.decode(found[0]) == {"row": 7}
 
 
-def test_failed_with_same_task_id_is_a_duplicate(store: Store) -> None:
+def test_failed_with_same_task_id_replays_its_failure(store: Store) -> None:
+    """A copy of a failed request runs nothing; it gets the stored failure, for Celery to be
+    told again if the first telling died with its worker."""
     claim = run(store, "k", owner(), task_id="t1")
-    store.fail("k", claim.epoch, "ValueError: boom")
+    failure = '{"exc_type": "ValueError", "exc_message": ["boom"], "exc_module": "builtins"}'
+    store.fail("k", claim.epoch, "ValueError: boom", failure_json=failure)
     outcome = take(store, "k", owner(), task_id="t1")
-    assert outcome.action == "duplicate"
+    assert (outcome.action, outcome.result_json, outcome.reason) == (
+        "failed", failure, "ValueError: boom")
     row = store.get_work("k")
     assert row is not None and (row.state, row.error, row.epoch) == (
         "failed", "ValueError: boom", 1)

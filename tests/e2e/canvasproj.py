@@ -1,0 +1,44 @@
+"""The app of the canvas kill-point tests: resumable tasks composed into chains and chords,
+a Redis result backend (chords count their parts there), effects in the effect log."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from celery import Celery
+
+from celery_resilient import ResumableTask
+from celery_resilient.testing import EffectLog
+
+from .envapp import app_from_env
+
+
+def create_app(env: Mapping[str, str]) -> Celery:
+    app = app_from_env("canvasproj", env,
+                       backend=env.get("RESILIENT_BROKER", "redis://127.0.0.1:6379/9"))
+    effects = EffectLog(env.get("RESILIENT_EFFECT_LOG", os.devnull))
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="canvas.add")
+    def add(self: ResumableTask, x: int, y: int) -> int:
+        effects.record(f"add:{self.request.id}", epoch=self.fencing_token)
+        return x + y
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="canvas.tsum")
+    def tsum(self: ResumableTask, numbers: list[int]) -> int:
+        effects.record(f"tsum:{self.request.id}", numbers=sorted(numbers))
+        return sum(numbers)
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="canvas.boom")
+    def boom(self: ResumableTask, tag: str) -> None:
+        effects.record(f"boom:{tag}", epoch=self.fencing_token)
+        raise ValueError(f"boom {tag}")
+
+    @app.task(shared=False, name="canvas.errback")
+    def errback(tag: str) -> None:
+        effects.record(f"errback:{tag}")
+
+    return app
+
+
+app = create_app(os.environ)

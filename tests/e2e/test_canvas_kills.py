@@ -1,0 +1,100 @@
+"""Canvas exactly once at the points between "ended in the store" and "Celery told": a worker
+(or only its pool process) SIGKILLed right after a failure is recorded, and right after a
+result is committed but before the acknowledgement. Redis broker and result backend (chords
+count their parts there), library defaults. The copy that comes back must do what Celery
+would have done after the body, once, without running the body again: every chain link
+once, every chord body once with every header's result, every errback once, every caller's
+result SUCCESS or the expected FAILURE."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+from celery import Celery, chain, chord
+
+from celery_resilient.testing import EffectLog, wait_for
+
+from .canvasproj import create_app
+from .conftest import Project
+
+SCOPES = {"worker": {}, "pool-process": {"RESILIENT_KILL_SCOPE": "process"}}
+
+
+@pytest.fixture
+def clients() -> Iterator[list[Celery]]:
+    made: list[Celery] = []
+    yield made
+    for app in made:
+        app.backend.client.connection_pool.disconnect()
+        app.close()
+
+
+def _client(project: Project, clients: list[Celery]) -> Celery:
+    """The same app in the test: its task classes, its result backend."""
+    app = create_app(project.env())
+    app.conf.task_default_queue = project.queue
+    clients.append(app)
+    return app
+
+
+def _start(project: Project, point: str, scope: str, tmp_path: object) -> object:
+    env = {"RESILIENT_KILL_AT": point, "RESILIENT_KILL_ONCE": f"{tmp_path}/killed",
+           **SCOPES[scope]}
+    worker = project.nodes.worker("tests.e2e.canvasproj", name="canvas", concurrency=2,
+                                  queues=(project.queue,), env={**project.env(), **env})
+    return worker
+
+
+def _fired(tmp_path: object) -> bool:
+    return os.path.exists(f"{tmp_path}/killed")
+
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_a_failure_recorded_then_killed_still_reaches_celery(
+        make_project: Callable[..., Project], redis_url: str, effect_log: EffectLog,
+        tmp_path: object, scope: str, clients: list[Celery]) -> None:
+    project = make_project(redis_url)
+    worker = _start(project, "after_failed", scope, tmp_path)
+    app = _client(project, clients)
+    alone = app.tasks["canvas.boom"].apply_async(("alone",),
+                                                 link_error=app.tasks["canvas.errback"].si("A"))
+    wait_for(lambda: _fired(tmp_path), 60, "the kill point")
+    if scope == "worker":
+        worker.restart()  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="boom alone"):
+        alone.get(timeout=60)
+    wait_for(lambda: effect_log.count("errback:A") >= 1, 30, "the errback")
+    in_chord = chord([app.tasks["canvas.add"].si(1, 1), app.tasks["canvas.boom"].si("chord")],
+                     app.tasks["canvas.tsum"].s().on_error(app.tasks["canvas.errback"].si("B"))
+                     ).apply_async()
+    with pytest.raises(Exception):  # noqa: B017 (Celery's ChordError, or the header's error)
+        in_chord.get(timeout=60)
+    wait_for(lambda: effect_log.count("errback:B") >= 1, 30, "the chord's errback")
+    counts = effect_log.counts()
+    assert counts["boom:alone"] == 1, "the failed body ran again"
+    assert counts["errback:A"] == 1 and counts["errback:B"] == 1, counts
+    assert not any(k.startswith("tsum:") for k in counts), "the chord body ran"
+
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_a_result_committed_then_killed_before_the_ack_moves_the_canvas_on(
+        make_project: Callable[..., Project], redis_url: str, effect_log: EffectLog,
+        tmp_path: object, scope: str, clients: list[Celery]) -> None:
+    project = make_project(redis_url)
+    worker = _start(project, "before_ack", scope, tmp_path)
+    app = _client(project, clients)
+    add = app.tasks["canvas.add"]
+    links = chain(add.s(1, 1), add.s(1), add.s(1)).apply_async()
+    wait_for(lambda: _fired(tmp_path), 60, "the kill point")
+    if scope == "worker":
+        worker.restart()  # type: ignore[attr-defined]
+    assert links.get(timeout=60) == 4
+    headers = chord([add.si(i, i) for i in range(5)], app.tasks["canvas.tsum"].s()).apply_async()
+    assert headers.get(timeout=60) == sum(2 * i for i in range(5))
+    counts = effect_log.counts()
+    adds = [k for k in counts if k.startswith("add:")]
+    assert len(adds) == 8 and all(counts[k] == 1 for k in adds), counts
+    tsums = [e for e in effect_log.entries() if e["effect"].startswith("tsum:")]
+    assert len(tsums) == 1 and tsums[0]["numbers"] == [0, 2, 4, 6, 8]
