@@ -65,3 +65,11 @@ class ContextConflict(ResilientError):
 
 class ScheduleError(ResilientError):
     """Invalid schedule entry."""
+
+
+class NotRunning(ResilientError, AttributeError):
+    """A task's work key, checkpoint, steps or ledger were used outside a run of the task.
+
+    Also an ``AttributeError``, as for any attribute a task does not have now, so
+    ``hasattr(task, "checkpoint")`` and ``inspect.getmembers(task)`` answer instead of
+    raising."""

@@ -24,6 +24,7 @@ from celery_resilient import signals
 from celery_resilient.core import codec, handoff, identity, killpoints, messages, workkey
 from celery_resilient.core.states import FAILED, IGNORED
 from celery_resilient.errors import (
+    NotRunning,
     ResilientError,
     StaleClaimError,
     StoreUnavailable,
@@ -92,7 +93,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         if x is None and self.request.called_directly:
             x = _direct_execution.get()
         if x is None:
-            raise ResilientError(
+            raise NotRunning(
                 f"{self.name}: checkpoints, steps and the work key exist only while the task "
                 "runs (under a worker, apply(), or a direct call task(...); task.run(...) "
                 "bypasses them)"
@@ -110,7 +111,14 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     @property
     def attempt(self) -> int:
-        return self.execution.attempts
+        """How many times this work has been taken (1 for the first run); a value a task
+        sets on itself (Celery's own test tasks do) is kept instead."""
+        mine = self.__dict__.get("_attempt_set")
+        return int(mine) if mine is not None else self.execution.attempts
+
+    @attempt.setter
+    def attempt(self, value: int) -> None:
+        self.__dict__["_attempt_set"] = value
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -558,21 +566,34 @@ def _header(req: Any, name: str) -> Any:
     return _headers_of(req).get(name)
 
 
+def _carrying_id(sig: Any, task_id: str) -> Any | None:
+    """The task signature inside ``sig`` that Celery froze with ``task_id``: the signature
+    itself, the last task of a chain, a chord's body (``celery.accumulate`` when a group was
+    the replacement), at any depth."""
+    body = getattr(sig, "body", None)
+    tasks = getattr(sig, "tasks", None)
+    if body is not None or tasks is not None:  # a canvas: look inside, the body first
+        for part in ([body] if body is not None else []) + list(tasks or [])[::-1]:
+            found = _carrying_id(part, task_id)
+            if found is not None:
+                return found
+        return None
+    return sig if getattr(sig, "id", None) == task_id else None
+
+
 def _replacement_key(app: Any, sig: Any, task_id: str) -> str | None:
-    """The work key the replacement frozen with ``task_id`` derives, if it is resumable."""
-    candidates = list(getattr(sig, "tasks", None) or [sig])
-    for s in candidates:
-        if getattr(s, "id", None) != task_id:
-            continue
-        task = app.tasks.get(s.task)
-        if not isinstance(task, ResumableTask):
-            return None
-        try:
-            return workkey.derive(task, task_id, s.args, s.kwargs,
-                                  (s.options or {}).get("headers"))
-        except ResilientError:
-            return None
-    return None
+    """The work key the replacement's signature frozen with ``task_id`` derives, if that
+    signature is a resumable task."""
+    s = _carrying_id(sig, task_id)
+    if s is None:
+        return None
+    task = app.tasks.get(s.task)
+    if not isinstance(task, ResumableTask):
+        return None
+    try:
+        return workkey.derive(task, task_id, s.args, s.kwargs, (s.options or {}).get("headers"))
+    except ResilientError:
+        return None
 
 
 def _seconds_until(when: Any) -> float:

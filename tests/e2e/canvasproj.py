@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from celery import Celery
+from celery import Celery, chord, group
 
 from celery_resilient import ResumableTask
 from celery_resilient.testing import EffectLog
@@ -33,6 +33,16 @@ def create_app(env: Mapping[str, str]) -> Celery:
     def boom(self: ResumableTask, tag: str) -> None:
         effects.record(f"boom:{tag}", epoch=self.fencing_token)
         raise ValueError(f"boom {tag}")
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="canvas.replace_by_chord")
+    def replace_by_chord(self: ResumableTask) -> None:
+        effects.record(f"replacer:{self.request.id}")
+        raise self.replace(chord([add.si(1, 2), add.si(3, 4)], tsum.s()))
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="canvas.replace_by_group")
+    def replace_by_group(self: ResumableTask) -> None:
+        effects.record(f"replacer:{self.request.id}")
+        raise self.replace(group(add.si(1, 1), add.si(2, 2)))
 
     @app.task(shared=False, name="canvas.errback")
     def errback(tag: str) -> None:

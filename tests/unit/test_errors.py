@@ -18,7 +18,7 @@ def test_the_module_defines_the_expected_exceptions() -> None:
     assert {"ResilientError", "ConfigurationError", "StoreUnavailable", "SchemaError",
             "StaleClaimError", "CheckpointError", "SerializationError", "WorkKeyConflict",
             "LedgerKeyError", "ContextNotFound", "ContextConflict", "WorkDead",
-            "WorkStopped"} <= names
+            "WorkStopped", "NotRunning"} <= names
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
