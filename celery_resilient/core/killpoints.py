@@ -22,6 +22,11 @@ Points, in the order a task reaches them:
 ``after_failed``
     the body raised and ``failed`` is committed, Celery not yet told (no FAILURE stored, no
     errback run, no chord part counted): the redelivered copy must replay the failure.
+``before_chord_count``
+    Celery stored a chord header's SUCCESS or FAILURE and has not counted the part yet
+    (``on_chord_part_return``): Celery's own window, reached only in a result backend that
+    calls :func:`reached` there (the canvas tests' Redis backend); the redelivered copy
+    must count the part, once.
 ``mid_prune``
     inside a retention batch's transaction: finished work rows deleted, their steps not yet
     (the batch must be rolled back whole).
@@ -49,7 +54,7 @@ ENV = "RESILIENT_KILL_AT"
 ONCE_ENV = "RESILIENT_KILL_ONCE"
 SCOPE_ENV = "RESILIENT_KILL_SCOPE"
 POINTS = ("before_ack", "after_failed", "after_checkpoint", "after_step", "after_effect",
-          "mid_prune")
+          "before_chord_count", "mid_prune")
 
 
 def parse(spec: str | None) -> dict[str, int]:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
+from celery import states
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from celery_resilient.core.states import FAILED
 from celery_resilient.runtime.outcomes import Outcome
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.tasks import replay
 
 
 class ResumableRequest(Request):  # type: ignore[misc]
@@ -46,6 +49,24 @@ class ResumableRequest(Request):  # type: ignore[misc]
         rt = Runtime.enabled_on(self.task.app)
         if rt is not None:
             rt.held.release(self.id)
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> None:
+        """A pool process lost after its task stored SUCCESS: Celery acknowledges the
+        message (counting the chord part again could count it twice on some backends), so
+        a kill between SUCCESS and the count would leave the chord waiting. Count it again
+        here where the backend counts each part once (tasks/replay.py)."""
+        exc = exc_info.exception
+        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback wraps it
+        if isinstance(exc, WorkerLostError) and self._context.chord:
+            try:
+                meta = self.task.backend.get_task_meta(self.id)
+            except Exception:  # the backend down: Celery's own handling decides
+                meta = {}
+            if meta.get("status") == states.SUCCESS:
+                replay.report_again(self.task.backend, self._context, states.SUCCESS,
+                                    meta.get("result"))
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)

@@ -33,7 +33,8 @@ from celery_resilient.errors import (
 )
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.tasks import submission
+from celery_resilient.store.sql import TakeOutcome
+from celery_resilient.tasks import replay, submission
 from celery_resilient.tasks.checkpoint import Checkpoint
 from celery_resilient.tasks.context import Context, task_context
 from celery_resilient.tasks.execution import Execution
@@ -194,29 +195,8 @@ class ResumableTask(Task):  # type: ignore[misc]
         except StoreUnavailable as exc:
             self._retry_store_down(exc, None)
         ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
-        if outcome.action == "done":
-            signals.send(signals.duplicate_skipped, self.app, self.name, reason="done", **ctx)
-            if self._already_reported("SUCCESS"):
-                # Celery sends chain steps and link callbacks before it stores SUCCESS, so
-                # they went out with the first success: a copy must not send them again.
-                log.info("work %s already done and reported; copy acknowledged", work_key,
-                         extra={"action": "duplicate_skipped", **ctx})
-                raise Ignore()
-            log.info("work %s already done; returning its stored result", work_key,
-                     extra={"action": "duplicate_skipped", **ctx})
-            return codec.decode(outcome.result_json)
-        if outcome.action == "failed":
-            signals.send(signals.duplicate_skipped, self.app, self.name, reason="failed", **ctx)
-            if self._already_reported("FAILURE"):
-                log.info("work %s already failed and reported; copy acknowledged", work_key,
-                         extra={"action": "duplicate_skipped", **ctx})
-                raise Ignore()
-            # Failed in the store, but Celery was never told (the worker died in between):
-            # tell it now, as the first run would have: FAILURE, errbacks, the chord part.
-            log.warning("work %s failed before its worker died; replaying the failure to "
-                        "Celery without running the body", work_key,
-                        extra={"action": "failure_replayed", **ctx})
-            raise self._stored_failure(outcome.result_json, outcome.reason)
+        if outcome.action in ("done", "failed"):
+            return self._ended_copy(outcome, ctx)
         if outcome.action in ("held", "duplicate"):
             log.info("work %s not run: %s", work_key, outcome.reason,
                      extra={"action": "duplicate_skipped", **ctx})
@@ -367,6 +347,40 @@ class ResumableTask(Task):  # type: ignore[misc]
                  "" if sent else "; not re-published yet", extra={"action": "handed_off", **ctx})
         signals.send(signals.work_handed_off, self.app, self.name, epoch=epoch,
                      republished=sent, **ctx)
+
+    def _ended_copy(self, outcome: TakeOutcome, ctx: dict[str, Any]) -> Any:
+        """A copy of a request that ended (done or failed): whatever Celery was not told."""
+        work_key = ctx["work_key"]
+        if outcome.action == "done":
+            signals.send(signals.duplicate_skipped, self.app, self.name, reason="done", **ctx)
+            if self._already_reported("SUCCESS"):
+                # Celery sends chain steps and link callbacks before it stores SUCCESS, so
+                # they went out with the first success: a copy must not send them again.
+                # Only the chord part may be left uncounted (docs/guarantees.md).
+                log.info("work %s already done and reported; copy acknowledged", work_key,
+                         extra={"action": "duplicate_skipped", **ctx})
+                replay.report_again(self.backend, self.request, "SUCCESS",
+                                    codec.decode(outcome.result_json))
+                raise Ignore()
+            log.info("work %s already done; returning its stored result", work_key,
+                     extra={"action": "duplicate_skipped", **ctx})
+            return codec.decode(outcome.result_json)
+        if outcome.action == "failed":
+            signals.send(signals.duplicate_skipped, self.app, self.name, reason="failed", **ctx)
+            if self._already_reported("FAILURE"):
+                # FAILURE stored: the rest of Celery's report (the chord part, the chain,
+                # the errbacks) may have died with the worker; make it again.
+                log.info("work %s already failed and reported; copy acknowledged", work_key,
+                         extra={"action": "duplicate_skipped", **ctx})
+                replay.report_again(self.backend, self.request, "FAILURE",
+                                    self._stored_failure(outcome.result_json, outcome.reason))
+                raise Ignore()
+            # Failed in the store, but Celery was never told (the worker died in between):
+            # tell it now, as the first run would have: FAILURE, errbacks, the chord part.
+            log.warning("work %s failed before its worker died; replaying the failure to "
+                        "Celery without running the body", work_key,
+                        extra={"action": "failure_replayed", **ctx})
+            raise self._stored_failure(outcome.result_json, outcome.reason)
 
     def _stored_failure(self, failure_json: str | None, reason: str) -> BaseException:
         """The exception a failed request ended with, rebuilt from the store."""

@@ -5,18 +5,34 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from celery import Celery, chord, group
+from celery.backends.redis import RedisBackend
 
 from celery_resilient import ResumableTask
+from celery_resilient.core import killpoints
 from celery_resilient.testing import EffectLog
 
 from .envapp import app_from_env
 
 
+class CountKilledRedisBackend(RedisBackend):  # type: ignore[misc]
+    """Celery's Redis backend with the ``before_chord_count`` kill point: SUCCESS or FAILURE
+    of a chord header stored, its part not counted yet."""
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any,
+                             **kwargs: Any) -> Any:
+        if killpoints.ARMED:
+            killpoints.reached("before_chord_count")
+        return super().on_chord_part_return(request, state, result, **kwargs)
+
+
 def create_app(env: Mapping[str, str]) -> Celery:
-    app = app_from_env("canvasproj", env,
-                       backend=env.get("RESILIENT_BROKER", "redis://127.0.0.1:6379/9"))
+    backend = env.get("RESILIENT_BROKER", "redis://127.0.0.1:6379/9")
+    if "before_chord_count" in env.get(killpoints.ENV, ""):
+        backend = f"{__name__}:CountKilledRedisBackend+{backend}"
+    app = app_from_env("canvasproj", env, backend=backend)
     effects = EffectLog(env.get("RESILIENT_EFFECT_LOG", os.devnull))
 
     @app.task(base=ResumableTask, bind=True, shared=False, name="canvas.add")

@@ -11,7 +11,7 @@ from celery import Celery
 from celery_resilient.testing import EffectLog
 
 from .canvasproj import create_app
-from .conftest import Project
+from .conftest import Project, close_result_client
 
 
 @pytest.fixture
@@ -22,8 +22,7 @@ def canvas(make_project: Callable[..., Project], redis_url: str) -> Iterator[Cel
     app = create_app(project.env())
     app.conf.task_default_queue = project.queue
     yield app
-    app.backend.client.connection_pool.disconnect()
-    app.close()
+    close_result_client(app)
 
 
 def test_replace_by_a_chord_gives_the_chords_result(canvas: Celery,

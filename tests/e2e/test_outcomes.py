@@ -28,7 +28,7 @@ from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 
 from . import lifecycleproj
-from .conftest import Project
+from .conftest import Project, close_result_client
 
 APP = lifecycleproj.NAME
 FAST = {"resilient_submit_timeout": 2, "resilient_sweep_interval": 0.5,
@@ -175,7 +175,7 @@ class Lab:
             messages.publish(conn, message, {}, self.client)
 
     def close(self) -> None:
-        self.client.close()
+        close_result_client(self.client)
 
 
 @pytest.fixture

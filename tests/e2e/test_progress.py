@@ -17,7 +17,7 @@ from celery.result import AsyncResult
 
 from celery_resilient.testing import EffectLog, wait_for
 
-from .conftest import Project
+from .conftest import Project, close_result_client
 
 TOTAL = 4
 PAUSE_AT = 2
@@ -34,7 +34,7 @@ def client(redis_url: str, backend_url: str, queue_name: str) -> Iterator[Celery
                  set_as_current=False)
     app.conf.task_default_queue = queue_name
     yield app
-    app.close()
+    close_result_client(app)
 
 
 def _progress(result: AsyncResult) -> Any:

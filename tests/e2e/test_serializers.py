@@ -29,7 +29,7 @@ from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 
 from . import serialproj
-from .conftest import Project
+from .conftest import Project, close_result_client
 
 APP = serialproj.NAME
 FAST = {"resilient_submit_timeout": 2, "resilient_sweep_interval": 0.5,
@@ -101,7 +101,7 @@ class Lab:
         assert isinstance(value["total"], Decimal)
 
     def close(self) -> None:
-        self.client.close()
+        close_result_client(self.client)
 
 
 def expected_seen(serializer: str) -> Any:
