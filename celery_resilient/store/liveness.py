@@ -81,6 +81,17 @@ def held_by_this_backend(conn: Connection, key: int) -> bool:
         "AND pid = pg_backend_pid())"), {"c": CLASS_ID, "k": key}).scalar_one())
 
 
+def held_in_this_database(conn: Connection, key: int) -> bool:
+    """Whether some session of this server holds the lock in this connection's database.
+    Advisory locks are per database: a holder connected to another database (or server)
+    holds a lock this database's probes can always take, a false proof of death."""
+    return bool(conn.execute(text(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND classid::int = :c AND objid::int = :k AND objsubid = 2 AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()))"),
+        {"c": CLASS_ID, "k": key}).scalar_one())
+
+
 def try_lock_for_transaction(conn: Connection, key: int) -> bool:
     """Take the lock until this transaction ends, if no other session holds it."""
     return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:c, :k)"),

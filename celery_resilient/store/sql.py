@@ -874,6 +874,19 @@ class Store:
                          .values(liveness_server=server))
 
     @guarded
+    def sees_liveness_lock(self, owner: Owner) -> bool:
+        """Whether the store's own database sees ``owner``'s liveness lock held: if not, the
+        lock is on another database or server (``resilient_liveness_url`` misconfigured)
+        and every probe from the store would prove ``owner`` dead while it lives."""
+        if self.dialect.is_sqlite:
+            return False
+        with self.engine.connect() as conn:
+            seen = liveness.held_in_this_database(
+                conn, liveness.lock_key(self.prefix, owner.incarnation))
+            conn.rollback()
+        return seen
+
+    @guarded
     def take_session_mark(self, owner: Owner) -> bool:
         """Clear the mark another worker left when it found ``owner``'s session ended; True
         if there was one (its resumable work was taken: its executions must stop). Called

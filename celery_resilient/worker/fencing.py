@@ -8,16 +8,19 @@ stops every pool process running resumable work:
 
 - **lease**: no renewal succeeded for ``lease_seconds - fence_margin`` (measured from the
   moment the last successful renewal was sent, so its expiry on the store's clock is at
-  least ``fence_margin`` later);
+  least ``fence_margin`` later), or one succeeded only after that long (a frozen process
+  woken: the executions that ran across the gap are stopped once, the fence then lifts);
 - **session**: the liveness session broke and could not be opened again within
   ``SESSION_FENCE_AFTER`` (7 s) of its last answered ping, before the server could free the
   lock (11 s or more); or, opened again, it finds another worker took its work meanwhile;
 - **declared dead**: another worker proved this incarnation gone. The worker then also shuts
   down (exit code 1), so its supervisor starts it again as a new incarnation.
 
-Stopping is SIGKILL of those pool processes: Celery sees the loss and, as ``ResumableTask``
-sets ``reject_on_worker_lost``, gives the message back to the broker; the work resumes from
-its last checkpoint wherever it is taken next (a fence counts as one death of the work, as
+Stopping is SIGKILL of those pool processes (a pool without child processes, such as solo or
+threads, runs the task in the worker's own process: the worker then exits with code 3).
+Celery sees the loss and, as ``ResumableTask`` sets ``reject_on_worker_lost``, gives the
+message back to the broker; the work resumes from its last checkpoint wherever it is taken
+next (a fence counts as one death of the work, as
 any lost execution does). While engaged, executions that start are stopped at the next tick.
 Plain tasks are left alone: they have no claim to lose.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -48,6 +52,8 @@ TICK_SECONDS = liveness.PING_SECONDS
 SESSION_FENCE_AFTER = liveness.SERVER_DETECTS_AFTER - 4
 #: Exit code of a worker another worker proved dead (a supervisor should start it again).
 EX_DECLARED_DEAD = 1
+#: Exit code of a worker that fenced a resumable execution running in its own process.
+EX_FENCED = 3
 
 
 class Fence:
@@ -105,8 +111,10 @@ class Fence:
         pids: list[int] = []
         for request in running:
             pid = getattr(request, "worker_pid", None)
-            if not pid or pid == os.getpid() or not isinstance(request.task, ResumableTask):
+            if not pid or not isinstance(request.task, ResumableTask):
                 continue
+            if pid == os.getpid():
+                self._exit_in_process(request)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -116,6 +124,20 @@ class Fence:
                       request.id, extra={"action": "execution_fenced", "task_id": request.id})
         self.stopped.extend(pids)
         return pids
+
+    @staticmethod
+    def _exit_in_process(request: object) -> None:
+        """The pool runs tasks in this very process (solo, threads, eventlet, gevent): the
+        only way to stop the execution is to end the worker. Its messages come back as any
+        dead worker's do; a supervisor starts it again."""
+        log.critical("fenced: %s[%s] runs in the worker's own process (a pool without child "
+                     "processes): the worker exits (code %d) to stop it", getattr(
+                         request, "name", "?"), getattr(request, "id", "?"), EX_FENCED,
+                     extra={"action": "execution_fenced_exit"})
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(EX_FENCED)
 
 
 class FencingGuard(threading.Thread):
@@ -138,13 +160,15 @@ class FencingGuard(threading.Thread):
         #: Monotonic time of the last ping that answered before the session was lost.
         self._lost_since: float | None = None
         self._lost_why = ""
+        #: Why the session proof was given up at start (None: it was not).
+        self._refused: str | None = None
 
     def describe(self) -> str:
         """The banner's word for how this incarnation's death can be proven."""
         if self.session is None:
             cfg = self.rt.config
-            why = ("resilient_session_liveness=False" if not cfg.session_liveness
-                   else "SQLite: same host only")
+            why = self._refused or ("resilient_session_liveness=False"
+                                    if not cfg.session_liveness else "SQLite: same host only")
             return f"lease ({why})"
         return "session" if self.session.held else "session (not held yet)"
 
@@ -165,6 +189,11 @@ class FencingGuard(threading.Thread):
         if self.keeper.declared_dead:
             self._declared_dead()
             return
+        lapsed, self.keeper.lapsed = self.keeper.lapsed, None
+        if lapsed is not None:  # renewed again, but too late: fence what ran across it
+            self.fence.engage("lease", f"the lease went {lapsed:.1f}s without a renewal "
+                              f"(lease {cfg.lease_seconds:g}s): another worker may own its "
+                              "work now")
         unrenewed = time.monotonic() - self.keeper.renewal_sent_at
         if unrenewed > cfg.fence_after:
             self.fence.engage("lease", f"the lease was last renewed {unrenewed:.1f}s ago "
@@ -208,6 +237,9 @@ class FencingGuard(threading.Thread):
                             "retrying", extra={"action": "liveness_held"})
             return
         try:
+            if not self.rt.store.sees_liveness_lock(self.owner):
+                self._refuse_session()
+                return
             marked = self.rt.store.take_session_mark(self.owner)
             alive = self.rt.store.heartbeat(self.owner, self.rt.config.lease_seconds)
             if alive:
@@ -228,6 +260,21 @@ class FencingGuard(threading.Thread):
         self._lost_since = None
         self.fence.release("session")
 
+    def _refuse_session(self) -> None:
+        """The lock is held where the store's probes cannot see it: give up the session
+        proof rather than be proven dead while alive."""
+        assert self.session is not None
+        self.session.dispose()
+        self.session = None
+        self._refused = ("resilient_liveness_url does not reach the store's database: "
+                         "session proof off")
+        log.error("resilient_liveness_url reaches another database or server than the store "
+                  "(the store's database does not see this worker's liveness lock, so every "
+                  "probe would prove this worker dead while it runs); the session proof is "
+                  "off and this worker's death is proven by its lease. Point "
+                  "resilient_liveness_url at the store's own database, directly.",
+                  extra={"action": "liveness_misconfigured"})
+
     def _declared_dead(self) -> None:
         self.fence.engage("declared dead", "another worker proved this incarnation gone and "
                           "took its work")
@@ -246,4 +293,4 @@ class FencingGuard(threading.Thread):
             self.session.dispose()
 
 
-__all__ = ["EX_DECLARED_DEAD", "Fence", "FencingGuard"]
+__all__ = ["EX_DECLARED_DEAD", "EX_FENCED", "Fence", "FencingGuard"]

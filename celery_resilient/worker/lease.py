@@ -41,6 +41,9 @@ class LeaseKeeper(threading.Thread):
         self.renewal_sent_at = time.monotonic()
         #: Another worker proved this incarnation dead (a renewal found it stopped).
         self.declared_dead = False
+        #: Seconds between two renewals when the later one came past ``fence_after`` (the
+        #: fencing guard then stops the executions that ran across it and clears this).
+        self.lapsed: float | None = None
 
     def run(self) -> None:
         cfg = self.rt.config
@@ -50,6 +53,12 @@ class LeaseKeeper(threading.Thread):
             try:
                 sent = time.monotonic()
                 alive = self.store.heartbeat(self.owner, cfg.lease_seconds)
+                gap = sent - self.renewal_sent_at
+                if gap > cfg.fence_after:
+                    # Renewed after the lease may have run out (the process was frozen, or
+                    # the store blocked): another worker may have taken its claims in the
+                    # meantime, and this renewal hides that from the fencing guard.
+                    self.lapsed = gap
                 self.renewal_sent_at = sent
                 self.renewals += 1
                 failures = 0
