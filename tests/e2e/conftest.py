@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -11,6 +10,7 @@ import pytest
 from celery import Celery
 
 from celery_resilient.store.sql import Store
+from celery_resilient.testing.clients import close_result_client  # noqa: F401  (re-exported to the tests)
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.plugin import NodeFactory
 from celery_resilient.testing.services import ThrowawayPostgres
@@ -68,23 +68,6 @@ class Project:
     def close(self) -> None:
         self.store.dispose()
         self.client.close()
-
-
-def close_result_client(app: Celery) -> None:
-    """Close a test's app that may have waited on results in a Redis backend. A result still
-    alive after the close (a chord's parent links keep results in reference cycles)
-    unsubscribes when collected, and that reconnects a socket nobody closes: the garbage
-    collector then warns about it in some later test. Collect what is garbage now, close the
-    pubsub, and forget its subscriptions so later collections have nothing to unsubscribe."""
-    gc.collect()
-    backend = app.backend
-    consumer = getattr(backend, "result_consumer", None)
-    if consumer is not None and hasattr(consumer, "subscribed_to"):
-        consumer.stop()
-        consumer.subscribed_to.clear()
-    if hasattr(backend, "client"):
-        backend.client.connection_pool.disconnect()
-    app.close()
 
 
 @pytest.fixture(params=["redis", "rabbitmq"])

@@ -1,0 +1,35 @@
+"""Canvas under random SIGKILLs at CI size (``benchmarks/canvas_chaos.py``): chords, chains,
+groups of chains, chains ending in a chord and chords whose header fails, on 3 workers
+SIGKILLed 8 times (whole worker or one pool process), Redis broker and backend with their
+defaults, no durable submit. Nothing may hang, end wrong or run twice. The full run, with
+plain Celery as the baseline in its output, is the documented command in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.chaos
+
+
+@pytest.mark.timeout(330)
+def test_canvas_chaos_small() -> None:
+    argv = [sys.executable, str(ROOT / "benchmarks" / "canvas_chaos.py"), "--modes",
+            "resumable", "--seeds", "5", "--kills", "8", "--scale", "1", "--deadline", "90"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+    out = done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("CANVAS-SUMMARY ")]
+    assert done.returncode == 0 and lines, out[-6000:]
+    summary = json.loads(lines[-1].split(" ", 1)[1])
+    assert summary["kills_group"] + summary["kills_child"] == 8
+    assert summary["hung"] == 0 and summary["wrong"] == 0, summary["table"]
+    assert summary["chord_body_twice"] == 0, summary
+    assert summary["errback_lost"] == 0 and summary["errback_twice"] == 0, summary
+    assert sum(kind["sent"] for kind in summary["table"].values()) == 9
