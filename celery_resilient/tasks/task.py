@@ -350,37 +350,30 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _ended_copy(self, outcome: TakeOutcome, ctx: dict[str, Any]) -> Any:
         """A copy of a request that ended (done or failed): whatever Celery was not told."""
-        work_key = ctx["work_key"]
-        if outcome.action == "done":
-            signals.send(signals.duplicate_skipped, self.app, self.name, reason="done", **ctx)
-            if self._already_reported("SUCCESS"):
-                # Celery sends chain steps and link callbacks before it stores SUCCESS, so
-                # they went out with the first success: a copy must not send them again.
-                # Only the chord part may be left uncounted (docs/guarantees.md).
-                log.info("work %s already done and reported; copy acknowledged", work_key,
-                         extra={"action": "duplicate_skipped", **ctx})
-                replay.report_again(self.backend, self.request, "SUCCESS",
-                                    codec.decode(outcome.result_json))
-                raise Ignore()
+        work_key, done = ctx["work_key"], outcome.action == "done"
+        signals.send(signals.duplicate_skipped, self.app, self.name, reason=outcome.action,
+                     **ctx)
+        result = (codec.decode(outcome.result_json) if done
+                  else self._stored_failure(outcome.result_json, outcome.reason))
+        state = "SUCCESS" if done else "FAILURE"
+        if self._already_reported(state):
+            # Celery sends a success's chain link and callbacks before it stores SUCCESS,
+            # so a copy must not send them again; what may be left undone after the state
+            # (the chord part; a failure's chain and errbacks) is made again.
+            log.info("work %s already %s and reported; copy acknowledged", work_key,
+                     outcome.action, extra={"action": "duplicate_skipped", **ctx})
+            replay.report_again(self.backend, self.request, state, result)
+            raise Ignore()
+        if done:
             log.info("work %s already done; returning its stored result", work_key,
                      extra={"action": "duplicate_skipped", **ctx})
-            return codec.decode(outcome.result_json)
-        if outcome.action == "failed":
-            signals.send(signals.duplicate_skipped, self.app, self.name, reason="failed", **ctx)
-            if self._already_reported("FAILURE"):
-                # FAILURE stored: the rest of Celery's report (the chord part, the chain,
-                # the errbacks) may have died with the worker; make it again.
-                log.info("work %s already failed and reported; copy acknowledged", work_key,
-                         extra={"action": "duplicate_skipped", **ctx})
-                replay.report_again(self.backend, self.request, "FAILURE",
-                                    self._stored_failure(outcome.result_json, outcome.reason))
-                raise Ignore()
-            # Failed in the store, but Celery was never told (the worker died in between):
-            # tell it now, as the first run would have: FAILURE, errbacks, the chord part.
-            log.warning("work %s failed before its worker died; replaying the failure to "
-                        "Celery without running the body", work_key,
-                        extra={"action": "failure_replayed", **ctx})
-            raise self._stored_failure(outcome.result_json, outcome.reason)
+            return result
+        # Failed in the store, but Celery was never told (the worker died in between):
+        # tell it now, as the first run would have: FAILURE, errbacks, the chord part.
+        log.warning("work %s failed before its worker died; replaying the failure to "
+                    "Celery without running the body", work_key,
+                    extra={"action": "failure_replayed", **ctx})
+        raise result
 
     def _stored_failure(self, failure_json: str | None, reason: str) -> BaseException:
         """The exception a failed request ended with, rebuilt from the store."""

@@ -28,11 +28,8 @@ from .helpers import owner
 
 
 @pytest.fixture
-def store(pg_url: str, table_prefix: str) -> Iterator[Store]:
-    s = Store(pg_url, table_prefix)
-    s.migrate()
-    yield s
-    s.dispose()
+def store(pg_store: Store) -> Store:
+    return pg_store
 
 
 @pytest.fixture

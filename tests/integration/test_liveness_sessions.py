@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import update
@@ -32,14 +31,6 @@ lock = SessionLock(sys.argv[1], sys.argv[2], sys.argv[3])
 print(lock.acquire(), flush=True)
 time.sleep(600)
 """
-
-
-@pytest.fixture
-def pg_store(pg_url: str, table_prefix: str) -> Iterator[Store]:
-    s = Store(pg_url, table_prefix)
-    s.migrate()
-    yield s
-    s.dispose()
 
 
 def _hold(store: Store, incarnation: str) -> subprocess.Popen[str]:
