@@ -62,9 +62,11 @@ def _report_again(backend: Any, request: Any, state: str, result: Any) -> None:
         log.warning("chord part %s of group %s not counted again: %s would count a replay "
                     "twice, so a kill between its %s and the count leaves the chord "
                     "waiting", request.id, request.group, type(backend).__name__, state)
+    again = ["its chord part counted"] if count else []
+    if state != states.SUCCESS:
+        again.append("its chain failed and its errbacks run")
     log.info("request %s already %s in the result backend: %s", request.id, state,
-             "its chord part counted again" if count else "nothing left to count"
-             if state == states.SUCCESS else "its chain failed and its errbacks run again",
+             " again, ".join(again) + " again" if again else "nothing left to report",
              extra={"action": "report_replayed", "task_id": request.id})
     if state == states.SUCCESS:
         if count:  # storing SUCCESS again would drop the children the first run recorded
