@@ -230,6 +230,19 @@ class Maintainer(threading.Thread):
                 # woken early for new receipts or outcomes: let a burst gather first
                 self._stop_event.wait(RECEIPT_COALESCE_SECONDS)
 
+    def give_back_first(self) -> None:
+        """Before the consumer starts: what gone incarnations held (a predecessor this
+        start just proved dead) goes back to the front of its queues, so this worker's
+        first fetch takes it, not the backlog behind it. Anything that fails here is left
+        to the first sweep."""
+        try:
+            with self.rt.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=1, timeout=recovery.BROKER_TIMEOUT)
+                self.holding.run(conn, self.judge_leases())
+        except Exception as exc:
+            log.warning("held messages not given back before consuming (%s); the first "
+                        "sweep does", exc, extra={"action": "holding_restore_failed"})
+
     def stop(self) -> None:
         self._stop_event.set()
         self.pruning.stop()

@@ -136,6 +136,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         log.info("celery-resilient: liveness=%s fence_after=%gs", self.guard.describe(),
                  rt.config.fence_after, extra={"action": "startup"})
         self.maintainer = Maintainer(rt, owner, self.keeper, gate)
+        self.maintainer.give_back_first()
         self.maintainer.start()
         celery_signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(self._on_shutdown, weak=False)
