@@ -20,8 +20,8 @@ Stopping is SIGKILL of those pool processes (a pool without child processes, suc
 threads, runs the task in the worker's own process: the worker then exits with code 3).
 Celery sees the loss and, as ``ResumableTask`` sets ``reject_on_worker_lost``, gives the
 message back to the broker; the work resumes from its last checkpoint wherever it is taken
-next (a fence counts as one death of the work, as
-any lost execution does). While engaged, executions that start are stopped at the next tick.
+next (a fence counts as one death of the work, as any lost execution does). While engaged,
+executions that start are stopped at the next tick.
 Plain tasks are left alone: they have no claim to lose.
 """
 

@@ -236,9 +236,7 @@ class Maintainer(threading.Thread):
         first fetch takes it, not the backlog behind it. Anything that fails here is left
         to the first sweep."""
         try:
-            with self.rt.app.connection_for_write() as conn:
-                conn.ensure_connection(max_retries=1, timeout=recovery.BROKER_TIMEOUT)
-                self.holding.run(conn, self.judge_leases())
+            recovery.give_back_held(self.rt, self.holding, self.judge_leases())
         except Exception as exc:
             log.warning("held messages not given back before consuming (%s); the first "
                         "sweep does", exc, extra={"action": "holding_restore_failed"})

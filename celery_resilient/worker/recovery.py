@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from celery_resilient import signals
 from celery_resilient.core import messages
@@ -26,6 +27,24 @@ log = logging.getLogger(__name__)
 
 #: Seconds a sweep waits for the broker before it leaves its orphans for the next round.
 BROKER_TIMEOUT = 2.0
+
+
+def give_back_held(rt: Runtime, holding: HoldingSweep, judge_leases: bool) -> None:
+    """The broker half of a sweep alone: what gone incarnations hold goes back to the front
+    of its queues (a starting worker, before its consumer fetches)."""
+    with rt.app.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT)
+        _give_back(conn, holding, judge_leases)
+
+
+def _give_back(conn: Any, holding: HoldingSweep, judge_leases: bool) -> None:
+    try:
+        holding.run(conn, judge_leases)
+    except ResilientError:
+        raise
+    except Exception as exc:  # the broker went away meanwhile: the next round
+        log.warning("could not give back held messages (%s); the next sweep tries again",
+                    exc, extra={"action": "holding_restore_failed"})
 
 
 def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
@@ -54,13 +73,7 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
         if reachable is not None:
             reachable(True)
         if holding is not None:
-            try:
-                holding.run(conn, judge_leases)
-            except ResilientError:
-                raise
-            except Exception as exc:  # the broker went away meanwhile: the next round
-                log.warning("could not give back held messages (%s); the next sweep tries "
-                            "again", exc, extra={"action": "holding_restore_failed"})
+            _give_back(conn, holding, judge_leases)
         ended: list[Ended] = []
         orphans = rt.store.claim_orphans(owner, cfg.sweep_batch, cfg.submit_timeout,
                                          cfg.max_republish, cfg.republish_backoff_max, ended,
