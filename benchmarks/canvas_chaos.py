@@ -39,7 +39,7 @@ from celery_resilient.testing import EffectLog
 from celery_resilient.testing.clients import close_result_client
 
 sys.path.insert(0, str(HERE))
-REDIS = "redis://127.0.0.1:6379/14"
+REDIS = os.environ.get("CANVAS_REDIS", "redis://127.0.0.1:6379/14")  # broker and backend
 PG = os.environ.get("RESILIENT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 KINDS = ("chord", "chain", "group of chains", "chain to chord", "chord link_error")
 

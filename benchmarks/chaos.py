@@ -515,11 +515,16 @@ class Chaos:
                 f"lines: {tail}")
             log(f"deploy w{i}: ran {took}s after SIGTERM; SIGUSR1 (Celery logs every thread's "
                 "stack), then SIGKILL")
+            before = len(worker.process.logs())
             for pid in [worker.process.pid or 0, *worker.process.children()]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1) if pid else None
             time.sleep(2)  # the dumps reach the log; nothing to wait on but the clock
             worker.kill("SIGKILL")
+            # Into this run's output, so that a CI failure shows where the worker waited.
+            dump = worker.process.logs()[before:].splitlines()[:300]
+            log(f"deploy w{i}: its log after SIGUSR1 ({len(dump)} lines):\n"
+                + "\n".join(f"    {line}" for line in dump))
         else:
             group_gone(worker, 5)
         del self.stopping[i]

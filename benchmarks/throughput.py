@@ -136,6 +136,10 @@ class Bench:
                                                    timeout=10)
         if not replies:
             raise RuntimeError(f"worker {mode.name} did not answer add_consumer")
+        # kombu's blocking pop on the idle queue takes the new queue in only when it returns
+        # (its brpop_timeout, 1 s; the library's fetch waits 0.1 s): without a task on the
+        # idle queue to end it now, plain Celery's clock would carry up to a second more.
+        self.client.send_task(mode.task, args=(-1,), queue=f"{mode.queue}-idle")
         wait_for(lambda: self.drained(mode), timeout, f"{mode.name} to drain {n} tasks")
         elapsed = time.perf_counter() - t0
         used = [process_cpu(pid) - before for pid, before in zip(pids, cpu0, strict=True)]
@@ -229,7 +233,7 @@ def measure(bench: Bench, modes: list[Mode], args: argparse.Namespace) -> None:
             store = Store(mode.store_url, mode.prefix)
             done = store.count_by_state().get("done", 0)
             store.dispose()
-            expected = args.warmup + args.reps * args.tasks
+            expected = args.warmup + args.reps * args.tasks + 1 + args.reps  # + the kicks
             if done != expected:
                 raise RuntimeError(f"{mode.name}: {done} works done, expected {expected}")
 

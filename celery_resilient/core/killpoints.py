@@ -22,11 +22,20 @@ Points, in the order a task reaches them:
 ``after_failed``
     the body raised and ``failed`` is committed, Celery not yet told (no FAILURE stored, no
     errback run, no chord part counted): the redelivered copy must replay the failure.
+``before_success_stored``
+    Celery sent a success's ``link`` callbacks and has not stored SUCCESS yet, reached only
+    in a result backend that calls :func:`reached` there (the canvas tests'): the copy
+    that returns the stored result makes Celery send the callbacks again, under the ids
+    they had (a resumable callback runs once).
 ``before_chord_count``
     Celery stored a chord header's SUCCESS or FAILURE and has not counted the part yet
     (``on_chord_part_return``): Celery's own window, reached only in a result backend that
     calls :func:`reached` there (the canvas tests' Redis backend); the redelivered copy
     must count the part, once.
+``before_chord_body_sent``
+    Celery 5.7's Redis backend claimed the right to send a chord's body and has not sent
+    it (reached only in the canvas tests' backend): the copy of the header that was
+    dispatching waits for the claim to expire and counts again, which sends the body.
 ``mid_prune``
     inside a retention batch's transaction: finished work rows deleted, their steps not yet
     (the batch must be rolled back whole).
@@ -54,7 +63,7 @@ ENV = "RESILIENT_KILL_AT"
 ONCE_ENV = "RESILIENT_KILL_ONCE"
 SCOPE_ENV = "RESILIENT_KILL_SCOPE"
 POINTS = ("before_ack", "after_failed", "after_checkpoint", "after_step", "after_effect",
-          "before_chord_count", "mid_prune")
+          "before_chord_count", "before_success_stored", "before_chord_body_sent", "mid_prune")
 
 
 def parse(spec: str | None) -> dict[str, int]:

@@ -70,7 +70,10 @@ TRANSITIONS: tuple[Transition, ...] = (
                "the body raised Ignore, or a retry or replacement became another work key"),
     Transition("hand_back", (RUNNING,), REQUEUED, "pool process",
                "self.retry (within max_retries), Reject(requeue=True) or self.replace: the "
-               "next message takes it, no death counted; copies of earlier tries never do"),
+               "next message takes it, no death counted; copies of earlier tries never do; "
+               "after self.replace only the replacement's message (it supersedes the "
+               "epoch: `handed_to`, migration 0008) takes it, and the sweeper leaves it "
+               "alone"),
     Transition("revoke", (NEW, *OPEN_STATES), REVOKED,
                "worker main process, or the take or sweep that meets a revoked task id",
                "revoked by id (running work only with terminate=True, or when its owner "

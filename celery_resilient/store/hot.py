@@ -45,8 +45,14 @@ class HotStatements:
     def __init__(self, t: Any, dialect: Dialect) -> None:
         self.dialect = dialect
         self._driver_sql: dict[str, tuple[str, dict[str, Any]]] = {}
-        w, rv = t.work, t.revocations
+        w, rv, old = t.work, t.revocations, t.old_checkpoints
         now = dialect.now()
+        # The checkpoint a pre-0005 worker keeps (see Store.load_checkpoint), read with the
+        # take so that a body's first load needs no round trip: a primary-key probe of a
+        # table that is empty once no such worker runs. Matched on the bound key, not on
+        # the updated row's column: SQLite's RETURNING names columns without their table,
+        # and `work_key = work_key` would match every row of the old table.
+        old_row = old.c.work_key == bindparam("k", type_=String)
         self.take_fast = (
             # The common take in one statement: a reserved or requeued claim, compatible
             # arguments, under the death cap, its task id not revoked. Anything else takes
@@ -59,17 +65,24 @@ class HotStatements:
                    or_(w.c.args_digest.is_(None), bindparam("digest", type_=String).is_(None),
                        w.c.args_digest == bindparam("digest", type_=String)),
                    w.c.retries <= bindparam("retries", type_=Integer),
+                   # handed back by a replace: only the replacement's message takes it
+                   or_(w.c.handed_to.is_(None),
+                       w.c.handed_to == bindparam("supersedes", type_=BigInteger)),
                    ~exists().where(rv.c.task_id == bindparam("task_id", type_=String)))
             .values(state=RUNNING, epoch=w.c.epoch + 1, owner_node=bindparam("node"),
                     incarnation=bindparam("inc"), owner_pid=bindparam("pid"),
                     lease_expires_at=now + bindparam("lease", type_=Float),
                     attempts=w.c.attempts + 1, task_id=bindparam("task_id"), error=None,
                     checkpoint_takes=w.c.checkpoint_takes + 1,
-                    retries=bindparam("retries", type_=Integer),
+                    retries=bindparam("retries", type_=Integer), handed_to=None,
                     args_digest=func.coalesce(w.c.args_digest,
                                               bindparam("digest", type_=String)),
                     updated_at=now)
-            .returning(w.c.epoch, w.c.attempts, w.c.deaths)
+            .returning(w.c.epoch, w.c.attempts, w.c.deaths, w.c.checkpoint_json,
+                       w.c.checkpoint_seq, w.c.checkpoint_epoch, w.c.checkpoint_takes,
+                       select(old.c.state_json).where(old_row).scalar_subquery()
+                       .label("old_state_json"),
+                       select(old.c.seq).where(old_row).scalar_subquery().label("old_seq"))
         )
         self.close = (
             update(w)

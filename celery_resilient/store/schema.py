@@ -82,6 +82,9 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         # of the pre-0005 version may have cleared it in the table it keeps). NULL: still
         # 0005's copy of that table's row, which stays the one resumed.
         Column("checkpoint_takes", BigInteger, nullable=True, default=0, server_default="0"),
+        # A claim handed back by ``self.replace()`` (migration 0008): only the message that
+        # supersedes this epoch, the replacement, takes it; NULL: any message does.
+        Column("handed_to", BigInteger, nullable=True),
         Index(f"ix_{p}work_state_lease", "state", "lease_expires_at"),
         Index(f"ix_{p}work_incarnation", "incarnation"),
         Index(f"ix_{p}work_task_id", "task_id"),  # revokes and operators find work by task id

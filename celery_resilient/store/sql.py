@@ -128,6 +128,30 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
+def _checkpoint_to_resume(row: Any) -> tuple[str, int] | None:
+    """The checkpoint to resume from, given the work row's checkpoint columns, its epoch,
+    and the row a pre-0005 worker keeps (``old_state_json``, ``old_seq``).
+
+    The work row's, unless a take of the pre-0005 version came after it was saved (each take
+    since the save is counted in ``checkpoint_takes``; migration 0006 left it NULL where the
+    old table's row may be newer); then the old table's row, or none if that version cleared
+    it. Never later than the last one saved, so nothing is skipped."""
+    if (row.checkpoint_json is not None and row.checkpoint_epoch is not None
+            and row.checkpoint_takes is not None
+            and row.epoch - row.checkpoint_epoch == row.checkpoint_takes):
+        return str(row.checkpoint_json), int(row.checkpoint_seq)
+    if row.old_state_json is not None:
+        return str(row.old_state_json), int(row.old_seq)
+    return None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a take read of the checkpoint to resume from (``found``: None, nothing saved)."""
+
+    found: tuple[str, int] | None
+
+
 @dataclass(frozen=True)
 class Receipt:
     """A delivered message of a resumable task, as the worker's main process saw it."""
@@ -145,6 +169,9 @@ class Claim:
     epoch: int
     attempts: int
     deaths: int
+    #: The checkpoint to resume from as the take read it, so that the body's first ``load``
+    #: costs no round trip. None: not read, ``load`` asks the store.
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True)
@@ -349,6 +376,23 @@ class Store:
             with self.begin() as conn:
                 yield conn
             return
+        with self._autocommitted() as conn:
+            yield conn
+
+    @contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """A connection for one read: autocommitted on PostgreSQL (one round trip, not
+        BEGIN, SELECT, ROLLBACK); SQLite's read transaction is local and ended here."""
+        if self.dialect.is_sqlite:
+            with self.engine.connect() as conn:
+                yield conn
+                conn.rollback()
+            return
+        with self._autocommitted() as conn:
+            yield conn
+
+    @contextmanager
+    def _autocommitted(self) -> Iterator[Connection]:
         with self._autocommit.get().connect() as conn:  # connections stay in autocommit
             try:
                 yield conn
@@ -520,7 +564,7 @@ class Store:
         w = self.t.work
         with self.single() as conn:
             fast = self._take_fast(conn, work_key, task_id, args_digest, owner, lease_seconds,
-                                   max_attempts, retries)
+                                   max_attempts, retries, supersedes)
         if fast is not None:
             return fast
         for _ in range(3):
@@ -544,14 +588,19 @@ class Store:
         w, rv = self.t.work, self.t.revocations
         now = self.dialect.now()
         fast = self._take_fast(conn, work_key, task_id, args_digest, owner, lease_seconds,
-                               max_attempts, retries)
+                               max_attempts, retries, supersedes)
         if fast is not None:  # it changed since the first attempt outside this transaction
             return fast
         revoked = conn.execute(select(rv.c.task_id).where(rv.c.task_id == task_id)).first()
         wk = self.t.workers
         owner_row = select(wk.c.incarnation).where(wk.c.incarnation == w.c.incarnation)
+        old = self.t.old_checkpoints
+        old_row = old.c.work_key == w.c.work_key
         row = conn.execute(
             select(w, self.dialect.now().label("db_now"),
+                   select(old.c.state_json).where(old_row).scalar_subquery()
+                   .label("old_state_json"),
+                   select(old.c.seq).where(old_row).scalar_subquery().label("old_seq"),
                    exists(owner_row).label("owner_known"),
                    exists(owner_row.where(self._incarnation_live(lease_seconds)))
                    .label("owner_live"))
@@ -597,6 +646,11 @@ class Store:
         if row.state in OPEN_STATES and retries < row.retries and row.task_id == task_id:
             return TakeOutcome("duplicate", reason=(
                 f"a stale copy of try {retries}; try {row.retries} holds or held the claim"))
+        if (row.state == REQUEUED and row.handed_to is not None and supersedes != row.handed_to
+                and row.task_id == task_id):
+            return TakeOutcome("duplicate", reason=(
+                f"a copy of a request that was replaced at epoch {row.handed_to}; the "
+                "replacement takes the work"))
         died = False
         if row.state == RUNNING:
             if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
@@ -621,11 +675,14 @@ class Store:
             state=RUNNING, epoch=epoch, owner_node=owner.node, incarnation=owner.incarnation,
             owner_pid=owner.pid, lease_expires_at=now + lease_seconds,
             attempts=row.attempts + 1, deaths=deaths, task_id=task_id, error=None,
-            checkpoint_takes=w.c.checkpoint_takes + 1,
+            checkpoint_takes=w.c.checkpoint_takes + 1, handed_to=None,
             retries=retries, args_digest=func.coalesce(w.c.args_digest, args_digest),
             result_json=None, finished_at=None, updated_at=now,
         ))
-        return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths))
+        # The update adds one to the epoch and to checkpoint_takes: the same test on the row
+        # as read.
+        return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths,
+                                        Resume(_checkpoint_to_resume(row))))
 
     def ended(self, state: str, error: str) -> dict[str, Any]:
         """The column values of every transition to a terminal ``state`` but ``done``."""
@@ -642,17 +699,19 @@ class Store:
 
     def _take_fast(self, conn: Connection, work_key: str, task_id: str,
                    args_digest: str | None, owner: Owner, lease_seconds: float,
-                   max_attempts: int, retries: int = 0) -> TakeOutcome | None:
+                   max_attempts: int, retries: int = 0,
+                   supersedes: int | None = None) -> TakeOutcome | None:
         """The common take in one statement, or None when the careful path must decide."""
         row = self._hot.run(conn, "take_fast", {
             "k": work_key, "max_attempts": max_attempts, "digest": args_digest,
             "node": owner.node, "inc": owner.incarnation, "pid": owner.pid,
             "lease": lease_seconds, "task_id": task_id, "retries": retries,
+            "supersedes": supersedes,
         }).row
         if row is None:
             return None
         return TakeOutcome("run", Claim(work_key, int(row.epoch), int(row.attempts),
-                                        int(row.deaths)))
+                                        int(row.deaths), Resume(_checkpoint_to_resume(row))))
 
     @staticmethod
     def _running_elsewhere(
@@ -696,12 +755,15 @@ class Store:
 
     @guarded
     def release(self, work_key: str, epoch: int, hold_seconds: float,
-                next_retries: int | None = None, clear_checkpoint: bool = False) -> None:
+                next_retries: int | None = None, clear_checkpoint: bool = False,
+                replaced: bool = False) -> None:
         """Hand the work back (a retry, a requeueing Reject or a replacement was sent): the
         next message takes it without a death; the sweeper re-sends it if that vanishes.
 
         ``next_retries`` is the retry count of the message that should take it: copies of
-        earlier tries are refused from now on.
+        earlier tries are refused from now on. ``replaced``: only the replacement's message
+        (marked as superseding ``epoch``) takes it; copies of the replaced request are
+        refused, and the sweeper leaves it to the replacement (Celery sends it).
         """
         w = self.t.work
         now = self.dialect.now()
@@ -712,6 +774,8 @@ class Store:
         }
         if next_retries is not None:
             values["retries"] = next_retries
+        if replaced:
+            values["handed_to"] = epoch
         with self.begin() as conn:
             self.fence(conn, work_key, epoch)
             if clear_checkpoint:
@@ -1148,7 +1212,8 @@ class Store:
             rows = conn.execute(
                 select(w.c.work_key, w.c.task_id, w.c.task_name, w.c.message_json, w.c.state,
                        w.c.owner_node, w.c.deaths, w.c.republished, w.c.retries, revoked)
-                .where(w.c.state.in_(OPEN_STATES), gone)
+                # a claim handed to a replacement waits for it (Celery sends it)
+                .where(w.c.state.in_(OPEN_STATES), gone, w.c.handed_to.is_(None))
                 .order_by(w.c.created_at)
                 .limit(limit)
                 .with_for_update(of=w, **self.dialect.lock_kwargs())
@@ -1254,27 +1319,17 @@ class Store:
 
     @guarded
     def load_checkpoint(self, work_key: str) -> tuple[str, int] | None:
-        """The checkpoint to resume from: the work row's, unless a take of the pre-0005
-        version came after it was saved, or migration 0006 marked it (NULL takes: the old
-        row is as new or newer); then the row that version keeps, or none if it cleared it.
-        Never later than the last one saved, so nothing is skipped."""
+        """The checkpoint to resume from (see :func:`_checkpoint_to_resume`); one
+        autocommitted read on PostgreSQL."""
         w, old = self.t.work, self.t.old_checkpoints
-        with self.engine.connect() as conn:
-            row = conn.execute(
-                select(w.c.checkpoint_json, w.c.checkpoint_seq, w.c.epoch, w.c.checkpoint_epoch,
-                       w.c.checkpoint_takes, old.c.state_json, old.c.seq)
-                .outerjoin(old, old.c.work_key == w.c.work_key)
-                .where(w.c.work_key == work_key)).first()
-            conn.rollback()
-        if row is None:
-            return None
-        if (row.checkpoint_json is not None and row.checkpoint_epoch is not None
-                and row.checkpoint_takes is not None
-                and row.epoch - row.checkpoint_epoch == row.checkpoint_takes):
-            return row.checkpoint_json, int(row.checkpoint_seq)
-        if row.state_json is not None:
-            return row.state_json, int(row.seq)
-        return None
+        query = (select(w.c.checkpoint_json, w.c.checkpoint_seq, w.c.epoch, w.c.checkpoint_epoch,
+                        w.c.checkpoint_takes, old.c.state_json.label("old_state_json"),
+                        old.c.seq.label("old_seq"))
+                 .outerjoin(old, old.c.work_key == w.c.work_key)
+                 .where(w.c.work_key == work_key))
+        with self._reading() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else _checkpoint_to_resume(row)
 
     @guarded
     def save_checkpoint(self, work_key: str, epoch: int, state_json: str) -> int:

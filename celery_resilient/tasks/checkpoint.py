@@ -9,6 +9,7 @@ from typing import Any
 
 from celery_resilient.core import codec, handoff, killpoints
 from celery_resilient.errors import CheckpointError, SerializationError
+from celery_resilient.store.sql import Resume
 from celery_resilient.tasks.execution import Execution, refuse_inside_atomic
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ class Checkpoint:
         self._x = execution
         self._on_progress = on_progress
         self.sequence = 0
+        #: What the take read with the claim; good for the first load only (a save or
+        #: clear of this execution makes it old).
+        self._taken: Resume | None = execution.resume_from
 
     @property
     def work_key(self) -> str:
@@ -36,7 +40,9 @@ class Checkpoint:
 
     def load(self, default: Any = None) -> Any:
         """The last saved state, or a copy of ``default`` when nothing was saved yet."""
-        found = self._x.progress.load_checkpoint(self._x.work_key)
+        taken, self._taken = self._taken, None
+        found = (taken.found if taken is not None
+                 else self._x.progress.load_checkpoint(self._x.work_key))
         if found is None:
             return copy.deepcopy(default)
         text, self.sequence = found
@@ -68,6 +74,7 @@ class Checkpoint:
                 f"resilient_max_checkpoint_bytes={limit}; keep large data elsewhere and "
                 "checkpoint a reference to it"
             )
+        self._taken = None
         self.sequence = self._x.progress.save_checkpoint(self._x.work_key, self._x.epoch, text)
         if killpoints.ARMED:
             killpoints.reached("after_checkpoint")
@@ -87,6 +94,7 @@ class Checkpoint:
 
     def clear(self) -> None:
         refuse_inside_atomic("checkpoint.clear")
+        self._taken = None
         self._x.progress.clear_checkpoint(self._x.work_key, self._x.epoch)
         self.sequence = 0
 

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from celery_resilient.errors import ResilientError
 from celery_resilient.runtime.config import ResilientConfig
-from celery_resilient.store.sql import Store
+from celery_resilient.store.sql import Resume, Store
 
 #: The ledger key of the ``ledger.atomic()`` block open in this context, if any.
 _open_atomic: ContextVar[str | None] = ContextVar("resilient_open_atomic", default=None)
@@ -100,6 +100,9 @@ class Execution:
     can_hand_off: bool = False
     #: The Celery request this execution serves (None for a direct call).
     task_id: str | None = None
+    #: The checkpoint to resume from as the take read it: the first ``load`` needs no round
+    #: trip (None: not read, ``load`` asks the store).
+    resume_from: Resume | None = None
 
     @property
     def direct(self) -> bool:

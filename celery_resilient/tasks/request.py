@@ -66,6 +66,9 @@ class ResumableRequest(Request):  # type: ignore[misc]
             if meta.get("status") == states.SUCCESS:
                 replay.report_again(self.task.backend, self._context, states.SUCCESS,
                                     meta.get("result"))
+                # killed while it sent the chord's body: send it once its claim expires
+                replay.finish_dispatch_later(self.task.backend, self._context,
+                                             states.SUCCESS, meta.get("result"))
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:

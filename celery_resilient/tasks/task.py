@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid as uuid_module
 from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import datetime
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 from celery import Task
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
+from celery.result import ResultBase
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
@@ -121,6 +123,10 @@ class ResumableTask(Task):  # type: ignore[misc]
     def attempt(self, value: int) -> None:
         self.__dict__["_attempt_set"] = value
 
+    @attempt.deleter
+    def attempt(self) -> None:
+        self.__dict__.pop("_attempt_set", None)
+
     @property
     def checkpoint(self) -> Checkpoint:
         handle: Checkpoint | None = getattr(self.request, "resilient_checkpoint", None)
@@ -180,6 +186,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         if req.called_directly or not req.id:
             return self._call_directly(args, kwargs, body)
         rt = self.resilient
+        _pin_link_ids(req)
         work_key = self._work_key_for(req.id, args, kwargs)
         who = identity.owner(req.hostname, eager=bool(req.is_eager))
         try:
@@ -221,7 +228,7 @@ class ResumableTask(Task):  # type: ignore[misc]
             raise Ignore()
         req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
                                             claim.attempts, can_hand_off=not req.is_eager,
-                                            task_id=req.id)
+                                            task_id=req.id, resume_from=claim.resume)
         req.resilient_checkpoint = None
         identity.enter(work_key)
         try:
@@ -259,7 +266,8 @@ class ResumableTask(Task):  # type: ignore[misc]
                          extra={"action": "resumed", **ctx})
                 self.on_resume(self.execution.attempts)
             result = (self.run if body is None else body)(*args, **kwargs)
-            rt.store.finish(work_key, epoch, codec.encode(result, f"result of {self.name}"))
+            rt.store.finish(work_key, epoch,
+                            codec.encode(_as_stored(result), f"result of {self.name}"))
             if killpoints.ARMED:
                 killpoints.reached("before_ack")
             return result
@@ -302,11 +310,12 @@ class ResumableTask(Task):  # type: ignore[misc]
             raise
 
     def _hand_back(self, rt: Runtime, epoch: int, ctx: dict[str, Any],
-                   delay: float, next_retries: int, clear_checkpoint: bool = False) -> None:
+                   delay: float, next_retries: int, clear_checkpoint: bool = False,
+                   replaced: bool = False) -> None:
         """The claim goes back to ``requeued``: the re-sent message takes it, no death."""
         try:
             rt.store.release(ctx["work_key"], epoch, delay + rt.config.submit_timeout,
-                             next_retries, clear_checkpoint)
+                             next_retries, clear_checkpoint, replaced)
         except StaleClaimError:
             pass  # the re-sent copy (marked as superseding this epoch) already took it over
         except StoreUnavailable as exc:
@@ -362,7 +371,8 @@ class ResumableTask(Task):  # type: ignore[misc]
             # (the chord part; a failure's chain and errbacks) is made again.
             log.info("work %s already %s and reported; copy acknowledged", work_key,
                      outcome.action, extra={"action": "duplicate_skipped", **ctx})
-            replay.report_again(self.backend, self.request, state, result)
+            replay.report_again(self.backend, self.request, state, result,
+                                wait_for_dispatch=not self.request.is_eager)
             raise Ignore()
         if done:
             log.info("work %s already done; returning its stored result", work_key,
@@ -479,18 +489,39 @@ class ResumableTask(Task):  # type: ignore[misc]
     def on_replace(self, sig: Any) -> Any:
         """Celery's replace: the replacement continues this work key when it derives it
         (the default: it gets this task id), starting without this body's checkpoint;
-        otherwise this unit ends ``ignored`` and the replacement is work of its own."""
+        otherwise this unit ends ``ignored`` and the replacement is work of its own.
+
+        The claim is handed to the replacement alone (its message supersedes this epoch):
+        a copy of this request, delivered twice or re-published, is a duplicate, and the
+        sweeper leaves the claim to the replacement however long Celery takes to send it
+        (a chord's body waits for its headers). The store is told after Celery sent the
+        replacement: a kill in between leaves this request to run again, as on Celery.
+        """
         req = self.request
         x: Execution | None = getattr(req, "resilient_execution", None)
-        if x is not None and not req.called_directly:
-            req.resilient_replaced = True
-            rt = self.resilient
-            ctx = {"work_key": x.work_key, "task_id": req.id, "task": self.name}
-            if _replacement_key(self.app, sig, req.id) == x.work_key:
-                self._hand_back(rt, x.epoch, ctx, 0.0, 0, clear_checkpoint=True)
-            else:
-                self._record_end(rt, x.epoch, ctx, Ignore("replaced by a new task"), IGNORED)
-        return super().on_replace(sig)
+        if x is None or req.called_directly:
+            return super().on_replace(sig)
+        req.resilient_replaced = True
+        carrier = _carrying_id(sig, req.id)
+        continues = carrier is not None and _replacement_key(self.app, sig, req.id) == x.work_key
+        if continues and carrier is not None:
+            carrier.options["headers"] = {**(carrier.options.get("headers") or {}),
+                                          SUPERSEDES_HEADER: x.epoch}
+        try:
+            out = super().on_replace(sig)
+        except Ignore:
+            self._replaced(x, continues)
+            raise
+        self._replaced(x, continues)
+        return out
+
+    def _replaced(self, x: Execution, continues: bool) -> None:
+        rt = self.resilient
+        ctx = {"work_key": x.work_key, "task_id": self.request.id, "task": self.name}
+        if continues:
+            self._hand_back(rt, x.epoch, ctx, 0.0, 0, clear_checkpoint=True, replaced=True)
+        else:
+            self._record_end(rt, x.epoch, ctx, Ignore("replaced by a new task"), IGNORED)
 
     def _retry_store_down(self, exc: StoreUnavailable, epoch: int | None) -> Any:
         """The store is down: re-send this message later rather than fail or lose it."""
@@ -512,6 +543,28 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _work_key_for(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         return workkey.derive(self, task_id, args, kwargs, _headers_of(self.request))
+
+
+def _pin_link_ids(req: Any) -> None:
+    """Each ``link`` callback of the request gets a task id derived from the request's.
+
+    Celery sends a success's callbacks before it stores SUCCESS; a copy of the request that
+    returns the stored result (its worker was killed in between, or it was delivered twice)
+    makes Celery send them again. With the same id a resumable callback is the same work and
+    runs once; without, it was a new task each time. A callback's own id is kept, and a
+    canvas as a callback (a group, a chord) is sent as before: at least once.
+    """
+    for index, callback in enumerate(req.callbacks or ()):
+        if isinstance(callback, dict) and not callback.get("subtask_type"):
+            options = callback.setdefault("options", {})
+            if not options.get("task_id"):
+                options["task_id"] = str(uuid_module.uuid5(uuid_module.NAMESPACE_URL,
+                                                           f"celery-resilient:{req.id}:link:{index}"))
+
+
+def _as_stored(result: Any) -> Any:
+    """A returned ``AsyncResult`` is kept as Celery's JSON backends keep it: its tuple."""
+    return result.as_tuple() if isinstance(result, ResultBase) else result
 
 
 _CLAIMING: set[Callable[..., Any]] = set()  # the __call__ wrappers made by _claim_around

@@ -10,16 +10,15 @@ docs/beat.md; every other test must pass. A failed download fails this test (no 
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import shutil
 import subprocess
 import sys
-import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from tests.sdists import unpacked_sdist
 
 HERE = Path(__file__).parent
 DOCS = HERE.parent.parent / "docs" / "beat.md"
@@ -41,25 +40,9 @@ SUITE_NEEDS = ("fakeredis", "pytz", "dateutil")
 
 @pytest.fixture(scope="module")
 def redbeat_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    missing = [m for m in SUITE_NEEDS if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.fail(f"RedBeat's test suite needs {', '.join(missing)}: install them "
-                    "(fakeredis, pytz, python-dateutil) in the test environment")
-    version = importlib.metadata.version("celery-redbeat")
-    where = tmp_path_factory.mktemp("redbeat-sdist")
-    got = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-         "--disable-pip-version-check", "-q", "-d", str(where), f"celery-redbeat=={version}"],
-        capture_output=True, text=True, timeout=180, check=False)
-    sdists = list(where.glob("*.tar.gz"))
-    if got.returncode != 0 or len(sdists) != 1:
-        pytest.fail(f"could not download the celery-redbeat {version} sdist "
-                    f"(pip exit {got.returncode}):\n{got.stdout}\n{got.stderr}")
-    with tarfile.open(sdists[0]) as archive:
-        archive.extractall(where, filter="data")
-    tree = where / sdists[0].name.removesuffix(".tar.gz")
-    assert (tree / "tests").is_dir(), f"no tests/ in {sdists[0].name}"
-    shutil.rmtree(tree / "redbeat")  # test the installed redbeat, not the sdist's copy
+    tree = unpacked_sdist("celery-redbeat", "redbeat", tmp_path_factory.mktemp("redbeat-sdist"),
+                          SUITE_NEEDS)
+    assert (tree / "tests").is_dir(), f"no tests/ in {tree.name}"
     shutil.copy(HERE / "redbeat_conftest.py", tree / "conftest.py")
     return tree
 

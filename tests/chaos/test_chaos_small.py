@@ -37,7 +37,7 @@ def test_chaos_small() -> None:
     lines = [line for line in done.stdout.splitlines() if line.startswith("CHAOS-SUMMARY ")]
     assert lines, out[-6000:]
     summary = json.loads(lines[-1].split(" ", 1)[1])
-    assert done.returncode == 0, f"invariants violated:\n{out[-6000:]}"
+    assert done.returncode == 0, f"invariants violated:\n{_telling(out)}"
     assert summary["violations"] == []
     assert summary["overlaps"] == 0
     assert summary["tasks"] == 300
@@ -76,3 +76,9 @@ def test_overlap_check_tells_a_refused_write_from_a_running_execution() -> None:
 
     one_token_two_pids = [_line("start", 1, 10, 0.0), _line("end", 1, 11, 1.0)]
     assert "ran in 2 processes" in overlaps("k", one_token_two_pids)[0][0]
+
+
+def _telling(out: str) -> str:
+    """The output's tail, and any stack dump of an overstaying deploy (it comes earlier)."""
+    dumps = [block for block in out.split("[chaos ") if "its log after SIGUSR1" in block]
+    return "".join(f"[chaos {block}" for block in dumps)[-20000:] + "\n...\n" + out[-6000:]

@@ -55,7 +55,7 @@ def config(store: Store, **settings: object) -> ResilientConfig:
 
 def execution(store: Store, claim: Claim, **settings: object) -> Execution:
     return Execution(store, config(store, **settings), claim.work_key, claim.epoch,
-                     claim.attempts)
+                     claim.attempts, resume_from=claim.resume)
 
 
 def started(store: Store, who: Owner, lease: float = 30.0) -> Owner:

@@ -89,8 +89,8 @@ def test_listeners_see_every_hot_statement(pg_store: Store) -> None:
     pg_store.finish("k", claim.epoch, codec.encode("ok"))
     prefix = pg_store.prefix
     assert any(s.startswith(f"UPDATE {prefix}work SET") and
-               s.endswith(f"RETURNING {prefix}work.epoch, {prefix}work.attempts, "
-                          f"{prefix}work.deaths") for s in seen), seen  # the take
+               f"RETURNING {prefix}work.epoch, {prefix}work.attempts, {prefix}work.deaths, "
+               f"{prefix}work.checkpoint_json" in s for s in seen), seen  # the take
     assert any(s.startswith(f"UPDATE {prefix}work SET") and "checkpoint_json=" in s and
                s.endswith(f"RETURNING {prefix}work.checkpoint_seq") for s in seen), seen
     assert any(s.startswith(f"UPDATE {prefix}work SET state=") and "result_json" in s

@@ -19,7 +19,7 @@ from celery_resilient.store.retention import delete_finished_work
 from celery_resilient.store.schema import build_tables
 from celery_resilient.store.sql import Store
 
-from .helpers import owner, run
+from .helpers import expire, owner, run
 
 TABLES = ("work", "checkpoints", "steps", "ledger", "schedule_runs", "schedule_markers",
           "contexts", "workers", "revocations", "forgotten")
@@ -233,6 +233,31 @@ def test_what_this_version_clears_is_gone_from_the_old_checkpoint_table(store: S
     OperatorQueries(store).forget(Selection(keys=("forgotten",)))
     assert delete_finished_work(store, store.now() + 1).work == 1  # "pruned"
     assert old_keys() == {"kept"}
+
+
+def test_a_take_brings_only_its_own_key_s_row_of_the_old_checkpoint_table(
+        store: Store) -> None:
+    """The take reads the checkpoint to resume from with the claim, the old table's row
+    included (a rolling deploy from before 0005, or rows 0005 kept). Each path must bring the
+    row of its own key only, exactly what ``load_checkpoint`` reads (found by the review: on
+    SQLite the fast take's RETURNING matched every row of the old table)."""
+    old = store.t.old_checkpoints
+    with store.begin() as conn:
+        for key in ("other", "own-fast", "own-careful"):
+            conn.execute(old.insert().values(work_key=key, epoch=1, seq=7,
+                                             state_json=f'{{"of": "{key}"}}', updated_at=1.0))
+    who = owner()
+    for key in ("fresh", "own-fast"):  # a receipt first: the one-statement take
+        store.record_receipt(key, "proj.task", f"tid-{key}", None, None, who, 30.0)
+    taken = {key: run(store, key, who) for key in ("fresh", "own-fast", "own-careful")}
+    expire(store, "own-careful")
+    taken["own-careful"] = run(store, "own-careful", owner("b@host"))  # the careful path
+    for key, claim in taken.items():
+        assert claim.resume is not None, key
+        assert claim.resume.found == store.load_checkpoint(key), key
+    assert taken["fresh"].resume is not None and taken["fresh"].resume.found is None
+    assert store.load_checkpoint("own-fast") == ('{"of": "own-fast"}', 7)
+    assert store.load_checkpoint("own-careful") == ('{"of": "own-careful"}', 7)
 
 
 class _PreviousVersion:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -298,6 +300,50 @@ def test_checkpoint_sequence_increments_and_never_goes_backwards(store: Store) -
     assert found is not None and found[1] == 4
 
 
+def test_a_resumed_take_brings_its_checkpoint_and_the_first_load_reads_nothing(
+        store: Store) -> None:
+    claim = run(store, "k", owner("a@host"))
+    Checkpoint(execution(store, claim)).save({"row": 7})
+    expire(store, "k")
+    resumed = run(store, "k", owner("b@host"))
+    assert resumed.resume is not None and resumed.resume.found is not None
+    assert codec.decode(resumed.resume.found[0]) == {"row": 7}
+    assert resumed.resume.found[1] == 1
+    cp = Checkpoint(execution(store, resumed))
+    with _statements(store) as statements:
+        assert cp.load(default={"row": 0}) == {"row": 7}
+        assert statements == [], "the first load asked the store for what the take brought"
+        assert cp.sequence == 1
+        cp.save({"row": 8})
+        statements.clear()
+        assert cp.load(default={"row": 0}) == {"row": 8}  # after a save: the store's
+        assert statements, "a load after a save did not read the store"
+        cp.clear()
+        assert cp.load(default={"row": 0}) == {"row": 0}
+        expire(store, "k")
+        fresh = Checkpoint(execution(store, run(store, "k", owner("c@host"))))
+        statements.clear()
+        assert fresh.load(default={"row": 0}) == {"row": 0}  # cleared: the take knew
+        assert statements == [], "the first load asked the store for what the take brought"
+
+
+@contextmanager
+def _statements(store: Store) -> Iterator[list[str]]:
+    """Every SQL statement the store runs inside the block."""
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    for engine in store.engines:
+        event.listen(engine, "before_cursor_execute", seen)
+    try:
+        yield statements
+    finally:
+        for engine in store.engines:
+            event.remove(engine, "before_cursor_execute", seen)
+
+
 def test_checkpoint_default_is_a_copy(store: Store) -> None:
     cp = Checkpoint(execution(store, run(store, "k", owner())))
     default = {"rows": []}
@@ -381,18 +427,8 @@ def test_heartbeat_renews_one_lease_row_whatever_the_number_of_claims(store: Sto
     run(store, "theirs", other, lease=5)
     claim_leases = {r.work_key: r.lease_expires_at for r in store.list_work()}
 
-    statements: list[str] = []
-
-    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        statements.append(statement)
-
-    for engine in store.engines:
-        event.listen(engine, "before_cursor_execute", count)
-    try:
+    with _statements(store) as statements:
         assert store.heartbeat(me, 600) is True
-    finally:
-        for engine in store.engines:
-            event.remove(engine, "before_cursor_execute", count)
     writes = [s for s in statements if s.lstrip().upper().startswith(("UPDATE", "INSERT"))]
     assert len(writes) == 1 and f"{store.prefix}workers" in writes[0], writes
     assert not any(f"{store.prefix}work " in s or f"{store.prefix}work\n" in s
