@@ -58,3 +58,16 @@ def args_digest(args: Any, kwargs: Any) -> str | None:
         return digest([list(args or ()), dict(kwargs or {})])
     except ResilientError:
         return None
+
+
+def failure_json(exc: BaseException) -> str | None:
+    """``exc`` in the form Celery's JSON result backends store an exception in."""
+    try:
+        return encode({"exc_type": type(exc).__name__, "exc_message": list(exc.args),
+                       "exc_module": type(exc).__module__}, "a task's failure")
+    except Exception:  # arguments that are not JSON: keep the type and the text
+        try:
+            return encode({"exc_type": type(exc).__name__, "exc_message": [str(exc)],
+                           "exc_module": type(exc).__module__}, "a task's failure")
+        except Exception:
+            return None

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 RESERVED = "reserved"    # received by a worker (running or prefetched), not started
 RUNNING = "running"      # taken by one execution (epoch); its writes are fenced by the epoch
 REQUEUED = "requeued"    # waiting for a worker: submitted, handed back, or re-published
+#: ``owner_pid`` of a ``running`` claim its worker's main process took for a request it holds
+#: and has not yet seen a pool process start (store/batched_takes.py): its own worker holds
+#: it live, and its takeover after that worker died counts no death.
+UNSTARTED_PID = 0
 DONE = "done"            # finished; its result is stored and returned to every copy
 FAILED = "failed"        # the body raised (retries exhausted, time limit, Reject without requeue)
 IGNORED = "ignored"      # the body raised celery.exceptions.Ignore

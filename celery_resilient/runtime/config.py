@@ -82,6 +82,9 @@ class ResilientConfig:
     #: :mod:`celery_resilient.broker.transport` (an atomic fetch into a holding that the
     #: store's judgement of who is gone gives back), unless ``broker_transport`` is set.
     reliable_fetch: bool = True
+    #: A prefork worker's main process takes the claims of many deliveries in one statement
+    #: before the pool runs them (worker/dispatch.py); False: each pool process takes its own.
+    batched_takes: bool = True
     submit_timeout: float = 60.0
     sweep_batch: int = 500
     max_republish: int = 8
@@ -285,6 +288,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "store_retry_max": _as_float,
     "durable_submit": _as_bool,
     "reliable_fetch": _as_bool,
+    "batched_takes": _as_bool,
     "submit_timeout": _as_float,
     "sweep_batch": _as_positive_int,
     "max_republish": _as_positive_int,

@@ -29,6 +29,9 @@ class Outcome:
     task_id: str
     state: str
     error: str
+    #: The exception in Celery's JSON form (a hard time limit's ``TimeLimitExceeded``), kept
+    #: so that a copy replaying the failure tells the caller the same exception.
+    failure_json: str | None = None
 
 
 class OutcomeBuffer:
@@ -59,7 +62,8 @@ class OutcomeBuffer:
         items = self.take_all()
         for i, outcome in enumerate(items):
             try:
-                changed = store.end_request(outcome.task_id, outcome.state, outcome.error)
+                changed = store.end_request(outcome.task_id, outcome.state, outcome.error,
+                                            outcome.failure_json)
             except Exception:
                 self.put_back(items[i:])
                 raise

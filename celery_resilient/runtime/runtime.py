@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.runtime.config import ResilientConfig
@@ -22,6 +22,17 @@ _ATTR = "_celery_resilient"
 #: given the runtime and the URL and returning the URL to use: a framework's test support
 #: (Django's test databases) keeps tests off a real database this way.
 STORE_URL_FILTERS: list[Callable[[Runtime, str], str]] = []
+
+
+class Dispatcher(Protocol):
+    """Where a resumable request goes instead of straight to the pool (the worker's
+    batched takes): its claim is taken first, in the main process."""
+
+    def accepts(self) -> bool: ...
+    def submit(self, request: Any, execute: Callable[[Any], None]) -> None: ...
+    def started(self, request: Any, pid: int) -> None: ...
+    def lost(self, request: Any) -> None: ...
+    def forget(self, request: Any) -> None: ...
 
 
 class Runtime:
@@ -49,6 +60,8 @@ class Runtime:
         #: Wall-clock time the worker's consumer last lost its broker connection (None:
         #: never): what it had fetched before may be held with nobody to run it.
         self.broker_lost_at: float | None = None
+        #: The worker's batched takes (worker/dispatch.py), when its pool gets them.
+        self.dispatcher: Dispatcher | None = None
         setattr(app, _ATTR, self)
 
     @classmethod

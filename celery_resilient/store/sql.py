@@ -47,6 +47,7 @@ from celery_resilient.core.states import (
     REVOKED,
     RUNNING,
     STOPPED_STATES,
+    UNSTARTED_PID,
 )
 from celery_resilient.errors import (
     StaleClaimError,
@@ -55,6 +56,7 @@ from celery_resilient.errors import (
     WorkStopped,
 )
 from celery_resilient.store import liveness, migrate, transient
+from celery_resilient.store.batched_takes import BatchedTakes, Started, TakeRequest
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
 from celery_resilient.store.hot import HotStatements
@@ -143,6 +145,13 @@ def _checkpoint_to_resume(row: Any) -> tuple[str, int] | None:
     if row.old_state_json is not None:
         return str(row.old_state_json), int(row.old_seq)
     return None
+
+
+class _RowView:
+    """Attribute access to a dict row (what :func:`_checkpoint_to_resume` reads)."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.__dict__.update(row)
 
 
 @dataclass(frozen=True)
@@ -334,6 +343,7 @@ class Store:
         self.dialect = Dialect(make_url(url).get_backend_name())
         self.t = build_tables(table_prefix)
         self._hot = HotStatements(self.t, self.dialect)
+        self._batched = BatchedTakes(self.t, self.dialect)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -656,8 +666,10 @@ class Store:
             if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
                 return TakeOutcome(
                     "held", reason=f"running on {row.owner_node} (epoch {row.epoch})")
-            # A copy re-sent by the execution itself (store outage, retry) replaces it.
-            died = row.epoch != supersedes
+            # A copy re-sent by the execution itself (store outage, retry) replaces it. A
+            # claim taken by a main process that died before its pool was seen to start it
+            # (store/batched_takes.py) did not die running: no death.
+            died = row.epoch != supersedes and row.owner_pid != UNSTARTED_PID
         # A new request for a key whose earlier request ended starts a fresh crash count.
         deaths = (0 if row.state in ENDED_BY_REQUEST else row.deaths) + (1 if died else 0)
         if revoked:
@@ -683,6 +695,36 @@ class Store:
         # as read.
         return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths,
                                         Resume(_checkpoint_to_resume(row))))
+
+    def take_batch(self, takes: Sequence[TakeRequest], started: Sequence[Started],
+                   owner: Owner, lease_seconds: float, max_attempts: int) -> dict[str, Claim]:
+        """The worker's main process takes the claims of many deliveries at once (see
+        :mod:`celery_resilient.store.batched_takes`) and marks ``started`` claims; returns
+        the claims taken by work key. A key not returned is left to its pool process's
+        careful :meth:`take`.
+
+        Not ``guarded``: a failure is left to the caller, which then dispatches the batch
+        without claims (each pool process takes its own, with its store-outage handling);
+        a take that committed before its reply was lost is one those careful takes see as
+        this worker's and leave alone until the worker lets it go (``reconcile``).
+        """
+        if not takes and not started:
+            return {}
+        if self.dialect.is_sqlite:
+            with self.begin() as conn:
+                rows = self._batched.run(conn, takes, started, owner.node, owner.incarnation,
+                                         lease_seconds, max_attempts)
+        else:
+            with self.single() as conn:
+                rows = self._batched.run(conn, takes, started, owner.node, owner.incarnation,
+                                         lease_seconds, max_attempts)
+        claims: dict[str, Claim] = {}
+        for row in rows:
+            view = _RowView(row)
+            claims[row["work_key"]] = Claim(row["work_key"], int(row["epoch"]),
+                                            int(row["attempts"]), int(row["deaths"]),
+                                            Resume(_checkpoint_to_resume(view)))
+        return claims
 
     def ended(self, state: str, error: str) -> dict[str, Any]:
         """The column values of every transition to a terminal ``state`` but ``done``."""
@@ -728,6 +770,8 @@ class Store:
         if row.incarnation is None:
             return False
         if row.incarnation == owner.incarnation:
+            if row.owner_pid == UNSTARTED_PID:
+                return True  # this worker's main process took it for a request it holds
             return is_live(row.owner_node, row.incarnation, row.owner_pid)
         if row.owner_known:
             return bool(row.owner_live)
@@ -784,7 +828,8 @@ class Store:
             conn.execute(update(w).where(w.c.work_key == work_key).values(**values))
 
     @guarded
-    def end_request(self, task_id: str, state: str, error: str) -> int:
+    def end_request(self, task_id: str, state: str, error: str,
+                    failure_json: str | None = None) -> int:
         """End the open work of one request, by task id, from the worker's main process.
 
         Used for outcomes the pool process cannot record: a hard time limit (``failed``), a
@@ -800,7 +845,7 @@ class Store:
         with self.begin() as conn:
             return int(conn.execute(
                 update(w).where(w.c.task_id == task_id, ending)
-                .values(**self.ended(state, error))).rowcount)
+                .values(**self.ended(state, error), result_json=failure_json)).rowcount)
 
     @guarded
     def is_revoked(self, task_id: str) -> bool:
@@ -1100,7 +1145,9 @@ class Store:
                         lapse.append((r.work_key, int(r.epoch), "its message is no longer held"))
                     continue
                 pid = r.owner_pid
-                if pid_alive is not None and pid is not None and pid != owner.pid:
+                if pid == UNSTARTED_PID and held is not None and r.task_id in held:
+                    continue  # taken for a request it still holds: on its way to the pool
+                if pid_alive is not None and pid and pid != owner.pid:
                     if pid not in dead_pids:
                         dead_pids[pid] = not pid_alive(pid)
                     if dead_pids[pid]:
@@ -1140,14 +1187,40 @@ class Store:
 
     @guarded
     def release_reserved(self, owner: Owner) -> int:
-        """Let go of ``owner``'s reserved claims (work received, not started): other
-        workers' sweeps re-publish them. For a worker cut off from its broker."""
+        """Let go of ``owner``'s reserved claims and the claims it took but never saw start
+        (work received, not started): other workers' sweeps re-publish them. For a worker
+        cut off from its broker (which first voids the claims it handed to its pool:
+        ``tasks.handed.void_all``)."""
         w = self.t.work
         now = self.dialect.now()
+        mine = w.c.incarnation == owner.incarnation
         with self.begin() as conn:
-            return int(conn.execute(
-                update(w).where(w.c.incarnation == owner.incarnation, w.c.state == RESERVED)
-                .values(incarnation=None, owner_pid=None, lease_expires_at=now)).rowcount)
+            reserved = conn.execute(
+                update(w).where(mine, w.c.state == RESERVED)
+                .values(incarnation=None, owner_pid=None, lease_expires_at=now)).rowcount
+            unstarted = conn.execute(
+                update(w).where(mine, w.c.state == RUNNING, w.c.owner_pid == UNSTARTED_PID)
+                .values(state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
+                        lease_expires_at=now, updated_at=now)).rowcount
+            return int(reserved) + int(unstarted)
+
+    @guarded
+    def release_unstarted(self, owner: Owner, claims: Sequence[tuple[str, int]]) -> int:
+        """Hand back claims ``owner``'s main process took (``(work key, epoch)``) for
+        requests it dropped before its pool saw them start (a lost broker connection):
+        ``requeued``, no death, for the copy the broker delivers again."""
+        w = self.t.work
+        now = self.dialect.now()
+        released = 0
+        with self.begin() as conn:
+            for key, epoch in claims:
+                released += int(conn.execute(
+                    update(w).where(w.c.work_key == key, w.c.epoch == epoch,
+                                    w.c.state == RUNNING, w.c.owner_pid == UNSTARTED_PID,
+                                    w.c.incarnation == owner.incarnation)
+                    .values(state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
+                            lease_expires_at=now, updated_at=now)).rowcount)
+        return released
 
     @guarded
     def mark_stopped(self, owner: Owner, hold_seconds: float) -> None:
@@ -1161,9 +1234,12 @@ class Store:
         now = self.dialect.now()
         with self.begin() as conn:
             conn.execute(update(w).where(w.c.incarnation == owner.incarnation,
-                                         w.c.state == RESERVED)
+                                         or_(w.c.state == RESERVED,
+                                             and_(w.c.state == RUNNING,
+                                                  w.c.owner_pid == UNSTARTED_PID)))
                          .values(state=REQUEUED, owner_node=None, incarnation=None,
-                                 lease_expires_at=now + hold_seconds, updated_at=now))
+                                 owner_pid=None, lease_expires_at=now + hold_seconds,
+                                 updated_at=now))
             conn.execute(update(wk).where(wk.c.incarnation == owner.incarnation)
                          .values(stopped_at=now, lease_expires_at=now, ended_by=ENDED_STOP))
 
@@ -1211,7 +1287,8 @@ class Store:
         with self.begin() as conn:
             rows = conn.execute(
                 select(w.c.work_key, w.c.task_id, w.c.task_name, w.c.message_json, w.c.state,
-                       w.c.owner_node, w.c.deaths, w.c.republished, w.c.retries, revoked)
+                       w.c.owner_node, w.c.owner_pid, w.c.deaths, w.c.republished, w.c.retries,
+                       revoked)
                 # a claim handed to a replacement waits for it (Celery sends it)
                 .where(w.c.state.in_(OPEN_STATES), gone, w.c.handed_to.is_(None))
                 .order_by(w.c.created_at)
@@ -1220,7 +1297,8 @@ class Store:
             ).all()
             orphans: list[Orphan] = []
             for r in rows:
-                death = 1 if r.state == RUNNING else 0
+                # a claim its worker took but never saw start (batched takes) did not die
+                death = 1 if r.state == RUNNING and r.owner_pid != UNSTARTED_PID else 0
                 if r.revoked:
                     why = "revoked by task id; its owner died"
                     self._end(conn, r.work_key, REVOKED, deaths=r.deaths + death, error=why)

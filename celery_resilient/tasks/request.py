@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from billiard.exceptions import WorkerLostError
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import states
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
+from celery_resilient.core import codec
 from celery_resilient.core.states import FAILED
 from celery_resilient.runtime.outcomes import Outcome
 from celery_resilient.runtime.runtime import Runtime
@@ -24,6 +25,12 @@ class ResumableRequest(Request):  # type: ignore[misc]
     failure, as in Celery. Acknowledging or rejecting the message releases it from the
     worker's held requests, so the heartbeat stops renewing a claim nobody holds.
     """
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        super().on_accepted(pid, time_accepted)
+        rt = Runtime.enabled_on(self.task.app)
+        if rt is not None and rt.dispatcher is not None:
+            rt.dispatcher.started(self, pid)
 
     def acknowledge(self) -> None:
         was = self.acknowledged
@@ -49,6 +56,8 @@ class ResumableRequest(Request):  # type: ignore[misc]
         rt = Runtime.enabled_on(self.task.app)
         if rt is not None:
             rt.held.release(self.id)
+            if rt.dispatcher is not None:
+                rt.dispatcher.forget(self)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> None:
@@ -58,6 +67,9 @@ class ResumableRequest(Request):  # type: ignore[misc]
         here where the backend counts each part once (tasks/replay.py)."""
         exc = exc_info.exception
         exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback wraps it
+        rt = Runtime.enabled_on(self.task.app)
+        if isinstance(exc, WorkerLostError) and rt is not None and rt.dispatcher is not None:
+            rt.dispatcher.lost(self)  # a claim it handed: the next take counts the death
         if isinstance(exc, WorkerLostError) and self._context.chord:
             try:
                 meta = self.task.backend.get_task_meta(self.id)
@@ -77,4 +89,5 @@ class ResumableRequest(Request):  # type: ignore[misc]
             return
         rt = Runtime.enabled_on(self.task.app)
         if rt is not None:
-            rt.outcomes.add(Outcome(self.id, FAILED, f"TimeLimitExceeded({timeout})"))
+            rt.outcomes.add(Outcome(self.id, FAILED, f"TimeLimitExceeded({timeout})",
+                                    codec.failure_json(TimeLimitExceeded(timeout))))

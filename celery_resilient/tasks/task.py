@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from datetime import datetime
 from typing import Any, TypeVar
 
-from celery import Task
+from celery import Task, states
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import ResultBase
@@ -24,7 +24,7 @@ from celery.utils.time import maybe_iso8601
 
 from celery_resilient import signals
 from celery_resilient.core import codec, handoff, identity, killpoints, messages, workkey
-from celery_resilient.core.states import FAILED, IGNORED
+from celery_resilient.core.states import FAILED, IGNORED, REVOKED
 from celery_resilient.errors import (
     NotRunning,
     ResilientError,
@@ -35,8 +35,8 @@ from celery_resilient.errors import (
 )
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.store.sql import TakeOutcome
-from celery_resilient.tasks import replay, submission
+from celery_resilient.store.sql import Claim, TakeOutcome
+from celery_resilient.tasks import handed, replay, submission
 from celery_resilient.tasks.checkpoint import Checkpoint
 from celery_resilient.tasks.context import Context, task_context
 from celery_resilient.tasks.execution import Execution
@@ -62,6 +62,9 @@ class ResumableTask(Task):  # type: ignore[misc]
     #: The main process's request: records a hard time limit as the task's failure, and
     #: releases the message from the worker's held requests when it is acked or rejected.
     Request = "celery_resilient.tasks.request:ResumableRequest"
+    #: Celery's default strategy, with requests that run now taken in batches by the
+    #: worker's main process before the pool runs them.
+    Strategy = "celery_resilient.tasks.strategy:resumable"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A ``__call__`` of a subclass or mixin (Flask's ``FlaskTask`` pattern: the body run
@@ -189,6 +192,35 @@ class ResumableTask(Task):  # type: ignore[misc]
         _pin_link_ids(req)
         work_key = self._work_key_for(req.id, args, kwargs)
         who = identity.owner(req.hostname, eager=bool(req.is_eager))
+        ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
+        claim = handed.received(req, who.incarnation, work_key)  # taken by the main process
+        if claim is None:
+            taken = self._take(rt, req, work_key, who, ctx, args, kwargs)
+            if isinstance(taken, TakeOutcome):  # a copy of ended work
+                return self._ended_copy(taken, ctx)
+            claim = taken
+        if claim.attempts > 1 and self._ended_for_the_caller(rt, claim, ctx):
+            raise Ignore()
+        if handoff.requested() and not req.is_eager:
+            # Taken on a worker that is shutting down warm: hand it on before the body runs.
+            self._hand_off(rt, claim.epoch, ctx)
+            raise Ignore()
+        req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
+                                            claim.attempts, can_hand_off=not req.is_eager,
+                                            task_id=req.id, resume_from=claim.resume)
+        req.resilient_checkpoint = None
+        identity.enter(work_key)
+        try:
+            return self._run_claimed(rt, claim.epoch, ctx, args, kwargs, body)
+        finally:
+            identity.leave(work_key)
+            req.resilient_execution = None
+
+    def _take(self, rt: Runtime, req: Any, work_key: str, who: identity.Owner,
+              ctx: dict[str, Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Claim | TakeOutcome:
+        """The pool process's own take (the careful path): the claim, or the outcome of a
+        copy of ended work (done, failed); whatever else must not run raises."""
         try:
             outcome = rt.store.take(
                 work_key, self.name, req.id, codec.args_digest(args, kwargs), who,
@@ -201,9 +233,8 @@ class ResumableTask(Task):  # type: ignore[misc]
             )
         except StoreUnavailable as exc:
             self._retry_store_down(exc, None)
-        ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
         if outcome.action in ("done", "failed"):
-            return self._ended_copy(outcome, ctx)
+            return outcome
         if outcome.action in ("held", "duplicate"):
             log.info("work %s not run: %s", work_key, outcome.reason,
                      extra={"action": "duplicate_skipped", **ctx})
@@ -221,21 +252,7 @@ class ResumableTask(Task):  # type: ignore[misc]
             signals.send(signals.work_dead, self.app, self.name, reason=outcome.reason, **ctx)
             raise WorkDead(f"work {work_key!r} is dead: {outcome.reason}")
         assert outcome.claim is not None
-        claim = outcome.claim
-        if handoff.requested() and not req.is_eager:
-            # Taken on a worker that is shutting down warm: hand it on before the body runs.
-            self._hand_off(rt, claim.epoch, ctx)
-            raise Ignore()
-        req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
-                                            claim.attempts, can_hand_off=not req.is_eager,
-                                            task_id=req.id, resume_from=claim.resume)
-        req.resilient_checkpoint = None
-        identity.enter(work_key)
-        try:
-            return self._run_claimed(rt, claim.epoch, ctx, args, kwargs, body)
-        finally:
-            identity.leave(work_key)
-            req.resilient_execution = None
+        return outcome.claim
 
     def _call_directly(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                        body: Callable[..., Any] | None = None) -> Any:
@@ -401,7 +418,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         """Record ``failed``/``ignored``; what to do when a newer execution owns the work."""
         try:
             rt.store.fail(ctx["work_key"], epoch, f"{type(exc).__name__}: {exc}", state,
-                          _failure_json(exc) if state == FAILED else None)
+                          codec.failure_json(exc) if state == FAILED else None)
             if killpoints.ARMED and state == FAILED:
                 killpoints.reached("after_failed")
         except StaleClaimError as fenced:
@@ -435,6 +452,40 @@ class ResumableTask(Task):  # type: ignore[misc]
         except Exception as exc:  # backend down: returning the stored result is the safe side
             log.warning("result backend unreadable for %s: %s", req.id, exc)
             return False
+
+    def _ended_for_the_caller(self, rt: Runtime, claim: Claim, ctx: dict[str, Any]) -> bool:
+        """Whether Celery already told the caller this request failed or was revoked,
+        though the store still had it open: a hard time limit or ``revoke(terminate=True)``
+        is recorded by the worker's main process after Celery stored the state and acked the
+        message, and a SIGKILL while the store was slow or down loses that record. The copy
+        (re-published from the store) then ends the work the same way and runs nothing, as
+        plain Celery would run nothing: its message was acknowledged.
+
+        Asked only of a resumed execution (``attempts > 1``); without a result backend nothing
+        can tell (docs/reliability.md)."""
+        req = self.request
+        if req.is_eager or not self._stores_results():
+            return False
+        try:
+            meta = self.backend.get_task_meta(req.id)
+        except Exception as exc:  # backend down: run, as before this check
+            log.warning("result backend unreadable for %s: %s", req.id, exc)
+            return False
+        state = meta.get("status")
+        if state not in (states.FAILURE, states.REVOKED):
+            return False
+        ended = REVOKED if state == states.REVOKED else FAILED
+        result = meta.get("result")
+        failure = codec.failure_json(result) if isinstance(result, BaseException) else None
+        try:
+            rt.store.fail(ctx["work_key"], claim.epoch, f"{state} already told to the caller",
+                          ended, failure)
+        except (StaleClaimError, StoreUnavailable) as exc:
+            log.warning("work %s: could not record %s (%s)", ctx["work_key"], ended, exc)
+        log.warning("work %s not resumed: the caller was already told %s (its worker was "
+                    "lost before the store heard of it)", ctx["work_key"], state,
+                    extra={"action": "already_reported", **ctx})
+        return True
 
     def _stores_results(self) -> bool:
         return not (self.ignore_result or self.request.ignore_result
@@ -606,20 +657,6 @@ def _headers_of(req: Any) -> dict[str, Any]:
         if value is not None and name not in headers:
             headers[name] = value
     return headers
-
-
-def _failure_json(exc: BaseException) -> str | None:
-    """``exc`` in the form Celery's JSON result backends store an exception in."""
-    try:
-        return codec.encode({"exc_type": type(exc).__name__,
-                             "exc_message": list(exc.args),
-                             "exc_module": type(exc).__module__}, "a task's failure")
-    except Exception:  # arguments that are not JSON: keep the type and the text
-        try:
-            return codec.encode({"exc_type": type(exc).__name__, "exc_message": [str(exc)],
-                                 "exc_module": type(exc).__module__}, "a task's failure")
-        except Exception:
-            return None
 
 
 def _header(req: Any, name: str) -> Any:

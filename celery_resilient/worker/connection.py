@@ -23,6 +23,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.worker.dispatch import BatchedDispatch
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,21 @@ class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     label = "celery-resilient connection"
 
+    def start(self, consumer: Any) -> None:
+        rt = Runtime.of(consumer.app)
+        dispatcher = rt.dispatcher
+        if isinstance(dispatcher, BatchedDispatch) and consumer.hub is not None:
+            dispatcher.attach(consumer.hub)
+
     def stop(self, consumer: Any) -> None:
         rt = Runtime.of(consumer.app)
         # On Redis what the old connection fetched is still in this incarnation's holding:
         # the maintainer gives back what Celery forgot (HoldingSweep.reconcile_own).
         rt.broker_lost_at = time.time()
-        dropped = rt.held.retain(known_task_ids())
+        known = known_task_ids()
+        if isinstance(rt.dispatcher, BatchedDispatch):
+            rt.dispatcher.detach(known)
+        dropped = rt.held.retain(known)
         if dropped:
             log.warning("broker connection closed: %d received message(s) Celery can no "
                         "longer acknowledge are let go; their claims are re-published once "

@@ -35,6 +35,8 @@ def record_received(rt: Runtime, request: Any) -> None:
     if not isinstance(task, ResumableTask):
         return
     rt.held.add(request.id)
+    if rt.dispatcher is not None and request.eta is None:
+        return  # taken (with its message) before it reaches the pool: worker/dispatch.py
     msg = request.message
     try:
         key = workkey.derive(task, request.id, request.args, request.kwargs, msg.headers)

@@ -28,6 +28,7 @@ from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import PROVEN_DEAD, SESSION_ALIVE, UNJUDGED
 from celery_resilient.worker import checks, holding_sweep
 from celery_resilient.worker.backpressure import ConsumptionGate
+from celery_resilient.worker.dispatch import BatchedDispatch
 from celery_resilient.worker.fencing import FencingGuard
 from celery_resilient.worker.lease import LeaseKeeper
 from celery_resilient.worker.maintainer import Maintainer
@@ -101,6 +102,19 @@ def settle_predecessors(rt: Runtime, owner: Owner) -> None:
 
 
 
+def _batched_dispatch(rt: Runtime, owner: Owner, worker: Any) -> BatchedDispatch | None:
+    """Batched takes for a prefork pool on Celery's event loop (``resilient_batched_takes``);
+    other pools (solo, threads, gevent, eventlet) take claims in the task."""
+    hub = getattr(worker, "hub", None)
+    pool_module = type(getattr(worker, "pool", None)).__module__
+    if not rt.config.batched_takes or hub is None or pool_module != "celery.concurrency.prefork":
+        return None
+    dispatch = BatchedDispatch(rt, owner)  # the consumer attaches it to its event loop
+    dispatch.start()
+    rt.dispatcher = dispatch
+    return dispatch
+
+
 def _host(process: str | None) -> str:
     return (process or "?").split(liveness.SEP)[0]
 
@@ -113,6 +127,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         self.maintainer: Maintainer | None = None
+        self.dispatch: BatchedDispatch | None = None
         self.keeper: LeaseKeeper | None = None
         self.guard: FencingGuard | None = None
         self.hostname: str | None = None
@@ -138,6 +153,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.maintainer = Maintainer(rt, owner, self.keeper, gate)
         self.maintainer.give_back_first()
         self.maintainer.start()
+        self.dispatch = _batched_dispatch(rt, owner, worker)
         celery_signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(self._on_shutdown, weak=False)
 
@@ -155,6 +171,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if self.maintainer is None:
             return
         self._request_hand_off()
+        self._stop_dispatch()
         self.maintainer.draining = True
         rt, owner = self.maintainer.rt, self.maintainer.owner
         try:
@@ -177,7 +194,16 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if sender is not None and getattr(sender, "hostname", self.hostname) == self.hostname:
             self._finish()
 
+    def _stop_dispatch(self) -> None:
+        """No more batched takes: what was not handed to the pool yet stays unacked (the
+        broker restores it), and its claims go back at the stop (``mark_stopped``)."""
+        dispatch, self.dispatch = self.dispatch, None
+        if dispatch is not None:
+            dispatch.rt.dispatcher = None
+            dispatch.stop()
+
     def _finish(self) -> None:
+        self._stop_dispatch()
         maintainer, keeper, guard = self.maintainer, self.keeper, self.guard
         self.maintainer = self.keeper = self.guard = None
         celery_signals.worker_shutting_down.disconnect(self._on_shutting_down)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from celery_resilient.core.states import UNSTARTED_PID
 from celery_resilient.store.sql import Store
 from celery_resilient.testing.clients import close_result_client  # noqa: F401  (re-exported to the tests)
 from celery_resilient.testing.nodes import LocalWorker
@@ -61,6 +62,13 @@ class Project:
     def state(self, work_key: str) -> str | None:
         row = self.store.get_work(work_key)
         return None if row is None else row.state
+
+    def prefetched(self, work_key: str) -> bool:
+        """Received by a worker and not started: ``reserved`` (its receipt), or ``running``
+        and never seen to start (taken by the worker's batched takes, store/batched_takes.py)."""
+        row = self.store.get_work(work_key)
+        return row is not None and (row.state == "reserved" or (
+            row.state == "running" and row.owner_pid == UNSTARTED_PID))
 
     def all_done(self, keys: list[str]) -> bool:
         return all(self.state(k) == "done" for k in keys)

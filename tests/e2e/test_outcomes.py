@@ -384,9 +384,9 @@ def test_revoke_prefetched_never_runs(make_lab: Callable[..., Lab], tmp_path: Pa
     gate = tmp_path / "gate"
     sleeper = _busy_with_sleeper(lab, gate)
     task_id = lab.send("succeed", 1)
-    wait_for(lambda: lab.work_state(task_id) == "reserved", 30, "the task to be prefetched")
+    wait_for(lambda: lab.project.prefetched(task_id), 30, "the task to be prefetched")
     lab.client.control.revoke(task_id)
-    wait_for(lambda: lab.work_state(task_id) == "revoked", 10,
+    wait_for(lambda: lab.store.is_revoked(task_id), 10,
              "the revoke to reach the store while the task is still prefetched")
     gate.touch()  # the process is free: Celery discards the revoked request
     wait_for(lambda: f"Discarding revoked task: {APP}.succeed[{task_id}]"
@@ -403,9 +403,9 @@ def test_revoke_prefetched_then_sigkill_and_restart_never_runs(
     gate = tmp_path / "gate"
     sleeper = _busy_with_sleeper(lab, gate)
     task_id = lab.send("succeed", 1)
-    wait_for(lambda: lab.work_state(task_id) == "reserved", 30, "the task to be prefetched")
+    wait_for(lambda: lab.project.prefetched(task_id), 30, "the task to be prefetched")
     lab.client.control.revoke(task_id)
-    wait_for(lambda: lab.work_state(task_id) == "revoked", 10, "the revoke to reach the store")
+    wait_for(lambda: lab.store.is_revoked(task_id), 10, "the revoke to reach the store")
     worker.kill("SIGKILL")  # the revoke list in the worker's memory is gone
     gate.touch()  # the re-run sleeper ends at once
     worker.restart()  # no mingle: the new worker never heard of the revoke
@@ -450,7 +450,7 @@ def test_expires_passed_in_backlog(make_lab: Callable[..., Lab], tmp_path: Path,
     sent = time.time()
     for task_id in ids:  # expires=3 s: the task's own option, applied by apply_async
         lab.client.tasks[f"{APP}.expiring"].apply_async(task_id=task_id)
-    wait_for(lambda: all(lab.work_state(i) == "reserved" for i in ids), 30,
+    wait_for(lambda: all(lab.project.prefetched(i) for i in ids), 30,
              f"{backlog} task(s) to be prefetched")
     wait_for(lambda: time.time() > sent + 3.5, 10, "their expires to pass while they wait")
     gate.touch()
@@ -515,6 +515,48 @@ def test_hard_time_limit_fails_once_and_is_never_rerun(make_lab: Callable[..., L
     row = lab.store.get_work(task_id)
     assert row is not None and row.error is not None and "TimeLimitExceeded" in row.error
     assert "re-published orphaned work" not in worker.process.logs()
+
+
+def test_a_hard_time_limit_the_store_missed_is_not_run_again(make_lab: Callable[..., Lab]
+                                                             ) -> None:
+    """Celery stores FAILURE and acks at a hard time limit; the main process records it in
+    the store only after. The store is held up at that moment (a row lock stands in for a
+    slow or unreachable store) and the worker is SIGKILLed: the restarted worker re-publishes
+    the work it still sees running, and the copy must end it as the caller was told (plain
+    Celery acked the message and never runs it again), not run the body a second time."""
+    lab = make_lab()
+    worker = lab.worker()
+    task_id = lab.send("hard_limit")
+    wait_for(lambda: lab.runs(task_id) == 1, 30, "the task to run")
+    w = lab.store.t.work
+    with lab.store.engine.connect() as conn:
+        tx = conn.begin()
+        conn.execute(select(w.c.work_key).where(w.c.work_key == task_id).with_for_update())
+        wait_for(lambda: lab.async_state(task_id) == "FAILURE", 30, "the caller to get FAILURE")
+        worker.kill("SIGKILL")
+        tx.rollback()
+    assert lab.work_state(task_id) == "running", "the store heard of the time limit after all"
+    worker.restart()
+    meta = lab.verify(task_id, worker, "failed", "FAILURE", runs=1)
+    assert _error(meta) == "TimeLimitExceeded"
+    assert "the caller was already told FAILURE" in worker.process.logs()
+
+
+def test_a_kill_just_after_a_hard_time_limit_keeps_the_callers_exception(
+        make_lab: Callable[..., Lab]) -> None:
+    """SIGKILL a moment after the hard time limit: whatever copy comes back tells the caller
+    the same ``TimeLimitExceeded`` (the store keeps the failure in Celery's form)."""
+    lab = make_lab()
+    worker = lab.worker()
+    task_id = lab.send("hard_limit")
+    wait_for(lambda: "Hard time limit" in worker.process.logs(), 30, "the hard time limit")
+    worker.kill("SIGKILL")
+    worker.restart()
+    meta = lab.verify(task_id, worker, "failed", "FAILURE", runs=1)
+    assert _error(meta) == "TimeLimitExceeded", meta
+    row = lab.store.get_work(task_id)
+    assert row is not None and row.result_json is not None
+    assert codec.decode(row.result_json)["exc_type"] == "TimeLimitExceeded"
 
 
 # -- deaths -----------------------------------------------------------------------------------

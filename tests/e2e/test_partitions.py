@@ -109,7 +109,7 @@ def test_a_worker_cut_off_from_its_broker_hands_its_prefetched_work_to_others(
     running = project.send("sparse", 40, 0.5, 5)
     waiting = [project.send("ingest", 3, 0.1) for _ in range(3)]
     wait_for(lambda: effect_log.count(f"row:{running}:1") == 1, 60, "the long task to run")
-    wait_for(lambda: all(project.state(k) == "reserved" for k in waiting), 30,
+    wait_for(lambda: all(project.prefetched(k) for k in waiting), 30,
              "three tasks prefetched by the cut worker")
     other = project.worker(name="other", concurrency=1)
     cut_at = time.time()

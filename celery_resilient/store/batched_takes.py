@@ -1,0 +1,213 @@
+"""Takes of many deliveries in one round trip, made by the worker's main process.
+
+The main process takes the claims of a batch of deliveries before it hands them to the pool,
+so a pool process starts the body with its epoch in hand instead of waiting for a take of
+its own. Only the common case is taken here: a key with no row yet, or a ``reserved`` or
+``requeued`` claim with compatible arguments, under the death cap, its try current, not
+handed to a replacement, its task id not revoked. A delivery whose key is not taken here
+goes to the pool without a claim and its pool process makes the careful take
+(:meth:`celery_resilient.store.sql.Store.take`), which decides every other case.
+
+A claim taken here is ``running`` with ``owner_pid`` :data:`UNSTARTED_PID` until its pool
+process starts the body: the main process marks it started (the pool process's PID) with a
+later batch, when the pool accepted it. A running claim still unstarted was taken but never
+known to start: its takeover after a whole-worker death counts no death (see
+``Store._take``), and its own worker treats it as live (it holds the request).
+
+On PostgreSQL a batch is one statement over arrays (``unnest``): one parse and one commit
+for the whole batch. On SQLite (in-process) it is one ``BEGIN IMMEDIATE`` transaction of
+single-row statements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection
+
+from celery_resilient.core.states import REQUEUED, RESERVED, RUNNING, UNSTARTED_PID
+from celery_resilient.store.dialect import Dialect
+
+
+@dataclass(frozen=True)
+class TakeRequest:
+    """A delivery the main process takes the claim of before dispatching it."""
+
+    work_key: str
+    task_name: str
+    task_id: str
+    retries: int
+    #: The epoch a re-sent message was sent to replace (its ``resilient_supersedes``).
+    supersedes: int | None
+    args_digest: str | None
+    #: The delivered message, kept for a re-publish when the key has no row yet.
+    message_json: str | None
+
+
+@dataclass(frozen=True)
+class Started:
+    """A claim taken by a batch whose pool process accepted its request (``pid``), or, with
+    ``pid`` None, whose pool process died running it: its owner is cleared, so the next
+    take of the work counts a death."""
+
+    work_key: str
+    epoch: int
+    pid: int | None
+
+
+#: Columns every taken row returns, in this order (the careful take's ``Resume`` inputs).
+TAKEN_COLUMNS = ("work_key", "epoch", "attempts", "deaths", "checkpoint_json",
+                 "checkpoint_seq", "checkpoint_epoch", "checkpoint_takes", "old_state_json",
+                 "old_seq")
+
+
+class BatchedTakes:
+    """The batch take and the started marks, as SQL for one store's tables."""
+
+    def __init__(self, t: Any, dialect: Dialect) -> None:
+        self.dialect = dialect
+        now = str(dialect.now())
+        work, rv, old, fg = (t.work.name, t.revocations.name, t.old_checkpoints.name,
+                             t.forgotten.name)
+        old_cols = (f"(SELECT o.state_json FROM {old} o WHERE o.work_key = w.work_key) "
+                    "AS old_state_json, "
+                    f"(SELECT o.seq FROM {old} o WHERE o.work_key = w.work_key) AS old_seq")
+        taken = ("w.work_key, w.epoch, w.attempts, w.deaths, w.checkpoint_json, "
+                 f"w.checkpoint_seq, w.checkpoint_epoch, w.checkpoint_takes, {old_cols}")
+        takeable = (f"w.state IN ('{RESERVED}', '{REQUEUED}') "
+                    "AND w.deaths < {max_attempts} "
+                    "AND (w.args_digest IS NULL OR {digest} IS NULL OR w.args_digest = {digest}) "
+                    "AND w.retries <= {retries} "
+                    "AND (w.handed_to IS NULL OR w.handed_to = {supersedes}) "
+                    f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = {{task_id}})")
+        set_running = (f"state = '{RUNNING}', epoch = w.epoch + 1, owner_node = {{node}}, "
+                       f"incarnation = {{inc}}, owner_pid = {UNSTARTED_PID}, "
+                       f"lease_expires_at = {now} + {{lease}}, attempts = w.attempts + 1, "
+                       "task_id = {task_id}, error = NULL, "
+                       "checkpoint_takes = w.checkpoint_takes + 1, retries = {retries}, "
+                       "handed_to = NULL, args_digest = COALESCE(w.args_digest, {digest}), "
+                       f"updated_at = {now}")
+        insert_cols = ("work_key, task_name, task_id, args_digest, state, epoch, owner_node, "
+                       "incarnation, owner_pid, lease_expires_at, attempts, deaths, "
+                       "republished, retries, message_json, created_at, updated_at, "
+                       "checkpoint_seq, checkpoint_takes")
+        first_epoch = (f"COALESCE((SELECT f.epoch FROM {fg} f WHERE f.work_key = {{key}}), 0) "
+                       "+ 1")
+        insert_values = (f"{{key}}, {{name}}, {{task_id}}, {{digest}}, '{RUNNING}', "
+                         f"{first_epoch}, {{node}}, {{inc}}, {UNSTARTED_PID}, "
+                         f"{now} + {{lease}}, 1, 0, 0, "
+                         f"{{retries}}, {{message}}, {now}, {now}, 0, 0")
+        inserted = "work_key, epoch, attempts, deaths, NULL, 0, NULL, 0, NULL, NULL"
+        if dialect.is_sqlite:
+            p = {name: f":{name}" for name in ("key", "name", "task_id", "digest", "retries",
+                                               "supersedes", "message", "node", "inc", "lease",
+                                               "max_attempts")}
+            self.sqlite_update = (
+                f"UPDATE {work} AS w SET {set_running.format(**p)} "
+                f"WHERE w.work_key = :key AND {takeable.format(**p)} RETURNING "
+                # SQLite's RETURNING names columns without their table: the old table's
+                # row is matched on the bound key (as in HotStatements.take_fast).
+                + taken.replace("o.work_key = w.work_key", "o.work_key = :key")
+                .replace("w.", ""))
+            self.sqlite_insert = (
+                f"INSERT INTO {work} ({insert_cols}) SELECT {insert_values.format(**p)} "
+                f"WHERE NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = :task_id) "
+                f"ON CONFLICT (work_key) DO NOTHING RETURNING {inserted}")
+            self.sqlite_started = (
+                f"UPDATE {work} SET owner_pid = :pid WHERE work_key = :key AND epoch = :epoch "
+                f"AND state = '{RUNNING}' AND owner_pid = {UNSTARTED_PID}")
+            self.sqlite_lost = (
+                f"UPDATE {work} SET incarnation = NULL, owner_pid = NULL, "
+                f"lease_expires_at = {now} WHERE work_key = :key AND epoch = :epoch "
+                f"AND state = '{RUNNING}' AND incarnation = :inc")
+            return
+        i = {"key": "i.work_key", "name": "i.task_name", "task_id": "i.task_id",
+             "digest": "i.digest", "retries": "i.retries", "supersedes": "i.supersedes",
+             "message": "i.message_json", "node": "%(node)s", "inc": "%(inc)s",
+             "lease": "%(lease)s", "max_attempts": "%(max_attempts)s"}
+        self.pg_batch = (
+            "WITH started AS ("
+            f"UPDATE {work} AS w SET owner_pid = s.pid "
+            "FROM unnest(%(s_keys)s::text[], %(s_epochs)s::bigint[], %(s_pids)s::int[]) "
+            "AS s(work_key, epoch, pid) "
+            f"WHERE w.work_key = s.work_key AND w.epoch = s.epoch AND w.state = '{RUNNING}' "
+            f"AND w.owner_pid = {UNSTARTED_PID} RETURNING 1), "
+            f"lost AS (UPDATE {work} AS w SET incarnation = NULL, owner_pid = NULL, "
+            f"lease_expires_at = {now} "
+            "FROM unnest(%(l_keys)s::text[], %(l_epochs)s::bigint[]) AS l(work_key, epoch) "
+            f"WHERE w.work_key = l.work_key AND w.epoch = l.epoch AND w.state = '{RUNNING}' "
+            "AND w.incarnation = %(inc)s RETURNING 1), "
+            "i AS (SELECT * FROM unnest(%(keys)s::text[], %(names)s::text[], "
+            "%(task_ids)s::text[], %(digests)s::text[], %(retries)s::int[], "
+            "%(supersedes)s::bigint[], %(messages)s::text[]) "
+            "AS i(work_key, task_name, task_id, digest, retries, supersedes, message_json)), "
+            f"upd AS (UPDATE {work} AS w SET {set_running.format(**i)} FROM i "
+            f"WHERE w.work_key = i.work_key AND {takeable.format(**i)} RETURNING {taken}), "
+            f"ins AS (INSERT INTO {work} ({insert_cols}) "
+            f"SELECT {insert_values.format(**i)} FROM i "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {work} w WHERE w.work_key = i.work_key) "
+            f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = i.task_id) "
+            "ON CONFLICT (work_key) DO NOTHING RETURNING work_key, epoch, attempts, deaths, "
+            "NULL::text, 0::bigint, NULL::bigint, 0::bigint, NULL::text, NULL::bigint) "
+            "SELECT work_key, epoch, attempts, deaths, checkpoint_json, checkpoint_seq, "
+            "checkpoint_epoch, checkpoint_takes, old_state_json, old_seq FROM upd "
+            "UNION ALL SELECT * FROM ins")
+
+    def run(self, conn: Connection, takes: Sequence[TakeRequest], started: Sequence[Started],
+            node: str, inc: str, lease: float, max_attempts: int) -> list[dict[str, Any]]:
+        """Take what can be taken of ``takes`` (one row each, unique keys) and mark
+        ``started``; the rows taken, as dicts of :data:`TAKEN_COLUMNS`.
+
+        PostgreSQL: ``conn`` is autocommitted and the statement is its own transaction.
+        SQLite: ``conn`` is inside a writing transaction the caller commits."""
+        if self.dialect.is_sqlite:
+            return self._run_sqlite(conn, takes, started, node, inc, lease, max_attempts)
+        began = [s for s in started if s.pid is not None]
+        lost = [s for s in started if s.pid is None]
+        params = {
+            "s_keys": [s.work_key for s in began], "s_epochs": [s.epoch for s in began],
+            "s_pids": [s.pid for s in began],
+            "l_keys": [s.work_key for s in lost], "l_epochs": [s.epoch for s in lost],
+            "keys": [t.work_key for t in takes], "names": [t.task_name for t in takes],
+            "task_ids": [t.task_id for t in takes], "digests": [t.args_digest for t in takes],
+            "retries": [t.retries for t in takes], "supersedes": [t.supersedes for t in takes],
+            "messages": [t.message_json for t in takes],
+            "node": node, "inc": inc, "lease": lease, "max_attempts": max_attempts,
+        }
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        cursor = raw.cursor()
+        try:
+            cursor.execute(self.pg_batch, params)
+            return [dict(zip(TAKEN_COLUMNS, row, strict=True)) for row in cursor.fetchall()]
+        finally:
+            cursor.close()
+
+    def _run_sqlite(self, conn: Connection, takes: Sequence[TakeRequest],
+                    started: Sequence[Started], node: str, inc: str, lease: float,
+                    max_attempts: int) -> list[dict[str, Any]]:
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        cursor = raw.cursor()
+        try:
+            for s in started:
+                cursor.execute(self.sqlite_started if s.pid is not None else self.sqlite_lost,
+                               {"key": s.work_key, "epoch": s.epoch, "pid": s.pid,
+                                "inc": inc})
+            rows: list[dict[str, Any]] = []
+            for t in takes:
+                params = {"key": t.work_key, "name": t.task_name, "task_id": t.task_id,
+                          "digest": t.args_digest, "retries": t.retries,
+                          "supersedes": t.supersedes, "message": t.message_json,
+                          "node": node, "inc": inc, "lease": lease,
+                          "max_attempts": max_attempts}
+                row = cursor.execute(self.sqlite_update, params).fetchone()
+                if row is None:
+                    row = cursor.execute(self.sqlite_insert, params).fetchone()
+                if row is not None:
+                    rows.append(dict(zip(TAKEN_COLUMNS, row, strict=True)))
+            return rows
+        finally:
+            cursor.close()

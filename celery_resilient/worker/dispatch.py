@@ -1,0 +1,239 @@
+"""Batched takes: the worker's main process claims deliveries before the pool runs them.
+
+Celery hands each request that is to run now to the pool from its event loop
+(``consumer.on_task_request``). For a resumable task it comes here instead
+(:mod:`celery_resilient.tasks.strategy`): a thread of its own takes the claims of every
+request waiting, in one statement (:meth:`~celery_resilient.store.sql.Store.take_batch`),
+and the event loop then hands each request on with its claim in the request dict
+(:mod:`celery_resilient.tasks.handed`). Requests are taken as they arrive, prefetched ones
+too, so a pool process that frees up starts the next body at once, with no round trip of
+its own; while one batch commits, the next gathers.
+
+The same statement marks claims started when the pool accepted their request (the pool
+process's PID becomes the claim's ``owner_pid``), and clears the owner of a claim whose pool
+process died running it (the next take counts the death). A claim taken here and never
+marked was never known to start: a takeover after this worker died counts no death for it.
+
+A batch that fails (store unreachable, any error) goes on without claims: each pool process
+then takes its own on the careful path, with its store-outage handling. When the consumer
+loses its broker connection Celery drops the requests it had not handed to the pool; so does
+this dispatcher, and the claims it took for them go back to ``requeued`` (no death), for the
+copies the broker delivers again.
+
+Only prefork pools on Celery's event loop get this; other pools keep the take in the task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Collection
+from typing import Any
+
+from celery_resilient.core import codec, messages, workkey
+from celery_resilient.core.identity import Owner
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.batched_takes import Started, TakeRequest
+from celery_resilient.tasks import handed
+from celery_resilient.tasks.task import SUPERSEDES_HEADER
+
+log = logging.getLogger(__name__)
+#: The most requests one statement takes.
+MAX_BATCH = 256
+#: The longest a started mark waits for a batch of takes to travel with.
+STARTED_DELAY = 0.05
+
+Execute = Callable[[Any], None]
+
+
+class BatchedDispatch:
+    """Takes the claims of waiting requests in batches, then hands them to the pool."""
+
+    def __init__(self, rt: Runtime, owner: Owner) -> None:
+        self.rt = rt
+        self.owner = owner
+        self._hub: Any = None
+        #: Bumped when the consumer's connection ends: requests of an earlier one are dropped.
+        self._connection = 0
+        self._waiting: deque[tuple[Any, Execute, int]] = deque()
+        self._ready: deque[tuple[Any, Execute, int]] = deque()
+        self._marks: list[Started] = []
+        self._release: list[tuple[str, int]] = []
+        self._claims: dict[str, tuple[str, int]] = {}  # task id -> (work key, epoch) handed
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._thread = threading.Thread(target=self._run, name="celery-resilient-takes",
+                                        daemon=True)
+        self.batches = 0
+
+    # -- the consumer's event loop ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def attach(self, hub: Any) -> None:
+        """The consumer (re)started on ``hub``: taken requests are handed on from there."""
+        self._hub = hub
+        hub.add_reader(self._read_fd, self._on_ready)
+
+    def detach(self, known: Collection[str] | None) -> None:
+        """The consumer stopped (its connection lost, or a shutdown): requests not handed
+        on yet are dropped with it, as Celery drops its own; the claims taken for requests
+        Celery no longer ``known`` go back for the copies the broker delivers again."""
+        self._connection += 1
+        if self._hub is not None:
+            with contextlib.suppress(Exception):  # the hub may be closed already
+                self._hub.remove_reader(self._read_fd)
+            self._hub = None
+        self._waiting.clear()
+        self._ready.clear()
+        if known is not None:
+            gone = [tid for tid in list(self._claims) if tid not in known]
+            self._give_back(gone)
+
+    def accepts(self) -> bool:
+        return not self._stopping and self._hub is not None
+
+    def submit(self, request: Any, execute: Execute) -> None:
+        """Instead of ``execute(request)`` (the consumer's hand-off to the pool): the
+        request is handed on once its claim is taken."""
+        self._waiting.append((request, execute, self._connection))
+        self._wake.set()
+
+    def started(self, request: Any, pid: int) -> None:
+        """The pool accepted ``request`` (its process ``pid``): mark its claim started."""
+        claim = self._claims.get(request.id)
+        if claim is not None:
+            self._mark(Started(claim[0], claim[1], pid))
+
+    def lost(self, request: Any) -> None:
+        """The pool process running ``request`` died: its claim loses its owner now, so the
+        next take counts a death (whether or not it was marked started yet)."""
+        claim = self._claims.pop(request.id, None)
+        if claim is not None:
+            self._mark(Started(claim[0], claim[1], None))
+
+    def forget(self, request: Any) -> None:
+        """``request`` was acknowledged or rejected: nothing more to mark for it."""
+        self._claims.pop(request.id, None)
+
+    def _mark(self, mark: Started) -> None:
+        with self._lock:
+            # One mark per claim and statement: a death replaces a start not yet written.
+            self._marks = [m for m in self._marks
+                           if (m.work_key, m.epoch) != (mark.work_key, mark.epoch)]
+            self._marks.append(mark)
+
+    def _give_back(self, task_ids: Collection[str]) -> None:
+        claims = [c for c in (self._claims.pop(t, None) for t in task_ids) if c is not None]
+        if claims:
+            with self._lock:
+                self._release.extend(claims)
+            self._wake.set()
+
+    def _on_ready(self, *_: Any) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._read_fd, 4096):
+                pass
+        while self._ready:
+            request, execute, connection = self._ready.popleft()
+            if connection != self._connection or self._stopping:
+                # its connection is gone (the broker delivers it again), or the worker stops
+                self._give_back([request.id])
+                continue
+            try:
+                execute(request)
+            except Exception:
+                log.exception("could not hand %s to the pool", request.id)
+
+    # -- the taking thread --------------------------------------------------------------
+
+    def stop(self) -> None:
+        """No more batched takes (warm shutdown): what was not handed on stays unacked and
+        the broker restores it; its claims go back at the stop (``mark_stopped``)."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        for fd in (self._read_fd, self._write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            # Started marks wait for the next batch of takes, or 50 ms at most.
+            self._wake.wait(timeout=STARTED_DELAY if self._marks else 1.0)
+            self._wake.clear()
+            if self._release:
+                self._release_claims()
+            while self._waiting and not self._stopping:
+                self._take_batch()
+            if self._marks and not self._stopping:
+                self._take_batch()
+
+    def _release_claims(self) -> None:
+        with self._lock:
+            claims, self._release = self._release, []
+        try:
+            self.rt.store.release_unstarted(self.owner, claims)
+        except Exception as exc:  # the maintainer lets them go when they are not held
+            log.warning("could not hand back %d claim(s) taken for dropped requests (%s: %s)",
+                        len(claims), type(exc).__name__, exc)
+
+    def _take_batch(self) -> None:
+        batch: list[tuple[Any, Execute, int]] = []
+        while self._waiting and len(batch) < MAX_BATCH:
+            batch.append(self._waiting.popleft())
+        with self._lock:
+            marks, self._marks = self._marks, []
+        takes: list[TakeRequest] = []
+        keys: list[str | None] = []
+        seen: set[str] = set()
+        for request, _execute, _connection in batch:
+            take = self._take_request(request)
+            if take is None or take.work_key in seen:
+                keys.append(None)  # taken by its pool process (a key twice: the first here)
+                continue
+            seen.add(take.work_key)
+            takes.append(take)
+            keys.append(take.work_key)
+        cfg = self.rt.config
+        try:
+            claims = self.rt.store.take_batch(takes, marks, self.owner, cfg.lease_seconds,
+                                              cfg.max_attempts)
+        except Exception as exc:
+            log.warning("batched take of %d request(s) failed (%s: %s); their pool "
+                        "processes take their own claims", len(takes), type(exc).__name__,
+                        exc, extra={"action": "batch_take_failed"})
+            claims = {}
+        self.batches += 1
+        for (request, execute, connection), key in zip(batch, keys, strict=True):
+            claim = claims.get(key) if key is not None else None
+            handed.hand(request.request_dict, self.owner.incarnation, claim)
+            if claim is not None:
+                self._claims[request.id] = (claim.work_key, claim.epoch)
+            self._ready.append((request, execute, connection))
+        if batch:
+            with contextlib.suppress(BlockingIOError):  # a wake is pending already
+                os.write(self._write_fd, b"!")
+
+    def _take_request(self, request: Any) -> TakeRequest | None:
+        try:
+            headers = request.request_dict
+            key = workkey.derive(request.task, request.id, request.args, request.kwargs,
+                                 headers)
+            supersedes = headers.get(SUPERSEDES_HEADER)
+            return TakeRequest(
+                key, request.task.name, request.id, int(headers.get("retries") or 0),
+                int(supersedes) if supersedes is not None else None,
+                codec.args_digest(request.args, request.kwargs),
+                messages.from_kombu(request.message))
+        except Exception as exc:  # the pool process's own take reports it
+            log.debug("request %s left to its pool process's take: %s", request.id, exc)
+            return None

@@ -1,0 +1,172 @@
+"""Batched takes (store/batched_takes.py): what the worker's main process takes before the
+pool runs a request, and how a claim taken that way but never seen to start is judged.
+
+Every test runs on SQLite and on PostgreSQL (the ``store`` fixture)."""
+
+from __future__ import annotations
+
+from sqlalchemy import insert, update
+
+from celery_resilient.core import codec
+from celery_resilient.core.states import UNSTARTED_PID
+from celery_resilient.store.batched_takes import Started, TakeRequest
+from celery_resilient.store.sql import Receipt, Store
+
+from .helpers import died, never_live, owner, run, started, take
+
+
+def request(key: str, task_id: str | None = None, retries: int = 0,
+            supersedes: int | None = None, digest: str | None = None) -> TakeRequest:
+    return TakeRequest(key, "proj.task", task_id or f"tid-{key}", retries, supersedes, digest,
+                       f'{{"message": "{key}"}}')
+
+
+def batch(store: Store, who: object, *takes: TakeRequest,
+          marks: tuple[Started, ...] = (), max_attempts: int = 5) -> dict[str, int]:
+    """Take ``takes`` in one batch; the epochs taken, by work key."""
+    claims = store.take_batch(list(takes), list(marks), who, 30.0, max_attempts)  # type: ignore[arg-type]
+    return {k: c.epoch for k, c in claims.items()}
+
+
+def test_new_keys_are_taken_running_unstarted_with_their_message(store: Store) -> None:
+    me = started(store, owner())
+    assert batch(store, me, request("a"), request("b")) == {"a": 1, "b": 1}
+    for key in ("a", "b"):
+        row = store.get_work(key)
+        assert row is not None
+        assert (row.state, row.epoch, row.attempts, row.deaths, row.owner_pid,
+                row.incarnation) == ("running", 1, 1, 0, UNSTARTED_PID, me.incarnation)
+        assert row.lease_expires_at is not None and row.lease_expires_at > store.now() + 25
+    assert store.get_message("a") == '{"message": "a"}'
+
+
+def test_reserved_and_requeued_claims_are_taken_with_their_checkpoint(store: Store) -> None:
+    me = started(store, owner())
+    store.record_receipts([Receipt("r", "proj.task", "tid-r", None, '{"m": "receipt"}')], me,
+                          30)
+    first = run(store, "q", me, task_id="tid-q")
+    store.save_checkpoint("q", first.epoch, codec.encode({"row": 7}))
+    store.release("q", first.epoch, 0.0, 0)  # handed back (a retry, say)
+    claims = store.take_batch([request("r"), request("q")], [], me, 30.0, 5)
+    assert {k: c.epoch for k, c in claims.items()} == {"r": 1, "q": 2}
+    assert claims["r"].resume is not None and claims["r"].resume.found is None
+    assert claims["q"].resume is not None and claims["q"].resume.found is not None
+    assert codec.decode(claims["q"].resume.found[0]) == {"row": 7}
+    assert store.get_message("r") == '{"m": "receipt"}', "the delivered message is kept"
+
+
+def test_what_the_careful_take_must_decide_is_left_untouched(store: Store) -> None:
+    me = started(store, owner())
+    other = started(store, owner("other@host"))
+    run(store, "running", other)
+    done = run(store, "done", me)
+    store.finish("done", done.epoch, codec.encode(1))
+    failed = run(store, "failed", me)
+    store.fail("failed", failed.epoch, "ValueError: x")
+    store.record_revocations(["tid-revoked"])
+    store.record_receipts([Receipt("revoked", "proj.task", "tid-revoked", None, "{}")], me, 30)
+    retried = run(store, "stale-try", me)
+    store.release("stale-try", retried.epoch, 0.0, next_retries=2)
+    replaced = run(store, "replaced", me)
+    store.release("replaced", replaced.epoch, 0.0, 0, replaced=True)
+    digest = run(store, "digest", me, digest="a" * 64)
+    store.release("digest", digest.epoch, 0.0, 0)
+    w = store.t.work
+    with store.begin() as conn:  # a receipt whose claim died max_attempts times
+        conn.execute(insert(w).values(
+            work_key="poison", task_name="proj.task", task_id="tid-poison", state="reserved",
+            epoch=4, attempts=5, deaths=5, republished=0, created_at=0, updated_at=0))
+        conn.execute(update(w).where(w.c.work_key == "digest").values(args_digest="a" * 64))
+    before = {k: store.get_work(k) for k in ("running", "done", "failed", "revoked",
+                                             "stale-try", "replaced", "digest", "poison")}
+    takes = [request("running"), request("done", task_id="another"),
+             request("failed", task_id="tid-failed"), request("revoked"),
+             request("stale-try", retries=1), request("replaced", task_id="tid-replaced"),
+             request("digest", digest="b" * 64), request("poison")]
+    assert batch(store, me, *takes) == {}
+    assert {k: store.get_work(k) for k in before} == before
+
+
+def test_a_replacement_takes_the_claim_handed_to_it(store: Store) -> None:
+    me = started(store, owner())
+    first = run(store, "k", me, task_id="t")
+    store.release("k", first.epoch, 0.0, 0, replaced=True)
+    assert batch(store, me, request("k", task_id="t", supersedes=first.epoch)) == {
+        "k": first.epoch + 1}
+
+
+def test_started_marks_name_the_pool_process_and_lost_ones_clear_the_owner(
+        store: Store) -> None:
+    me = started(store, owner())
+    batch(store, me, request("a"), request("b"))
+    batch(store, me, marks=(Started("a", 1, 4242), Started("b", 1, None),
+                            Started("a", 9, 1)))  # a mark of another epoch changes nothing
+    a, b = store.get_work("a"), store.get_work("b")
+    assert a is not None and (a.owner_pid, a.incarnation) == (4242, me.incarnation)
+    assert b is not None and (b.state, b.owner_pid, b.incarnation) == ("running", None, None)
+    outcome = take(store, "b", me, task_id="tid-b")
+    assert outcome.action == "run" and outcome.claim is not None
+    assert outcome.claim.deaths == 1, "a pool process that died running it: one death"
+
+
+def test_its_own_worker_holds_an_unstarted_claim_live(store: Store) -> None:
+    me = started(store, owner())
+    batch(store, me, request("k"))
+    outcome = take(store, "k", me, task_id="tid-k", is_live=never_live)
+    assert outcome.action == "held", "a copy must not run beside the request its worker holds"
+
+
+def test_taking_over_an_unstarted_claim_of_a_dead_worker_counts_no_death(
+        store: Store) -> None:
+    gone = started(store, owner("gone@host"))
+    batch(store, gone, request("k"), request("s"))
+    batch(store, gone, marks=(Started("s", 1, 4242),))
+    died(store, gone)
+    me = started(store, owner())
+    unstarted = take(store, "k", me, task_id="tid-k")
+    begun = take(store, "s", me, task_id="tid-s")
+    assert unstarted.claim is not None and unstarted.claim.deaths == 0
+    assert begun.claim is not None and begun.claim.deaths == 1
+
+
+def test_the_sweep_counts_no_death_for_an_unstarted_claim(store: Store) -> None:
+    gone = started(store, owner("gone@host"))
+    batch(store, gone, request("k"), request("s"))
+    batch(store, gone, marks=(Started("s", 1, 4242),))
+    died(store, gone)
+    orphans = store.claim_orphans(owner("sweeper@host"), 10, 30)
+    assert sorted(o.work_key for o in orphans) == ["k", "s"]
+    k, s = store.get_work("k"), store.get_work("s")
+    assert k is not None and (k.state, k.deaths, k.republished) == ("requeued", 0, 1)
+    assert s is not None and (s.state, s.deaths) == ("requeued", 1)
+
+
+def test_a_clean_stop_hands_unstarted_claims_back(store: Store) -> None:
+    me = started(store, owner())
+    batch(store, me, request("k"), request("s"))
+    batch(store, me, marks=(Started("s", 1, 4242),))
+    store.mark_stopped(me, 60)
+    k, s = store.get_work("k"), store.get_work("s")
+    assert k is not None and (k.state, k.incarnation, k.owner_pid) == ("requeued", None, None)
+    assert s is not None and s.state == "running", "a started claim is an orphan, not handed back"
+
+
+def test_a_worker_cut_off_from_its_broker_lets_unstarted_claims_go(store: Store) -> None:
+    me = started(store, owner())
+    batch(store, me, request("k"), request("s"))
+    batch(store, me, marks=(Started("s", 1, 4242),))
+    assert store.release_reserved(me) == 1
+    k, s = store.get_work("k"), store.get_work("s")
+    assert k is not None and (k.state, k.incarnation) == ("requeued", None)
+    assert s is not None and (s.state, s.incarnation) == ("running", me.incarnation)
+
+
+def test_reconcile_keeps_unstarted_claims_of_held_requests(store: Store) -> None:
+    me = started(store, owner())
+    batch(store, me, request("held"), request("gone"))
+    assert store.reconcile(me, pid_alive=lambda pid: False,
+                           held=frozenset({"tid-held"}), executing=frozenset(),
+                           grace_seconds=0) == 1
+    held, gone = store.get_work("held"), store.get_work("gone")
+    assert held is not None and (held.state, held.owner_pid) == ("running", UNSTARTED_PID)
+    assert gone is not None and (gone.state, gone.deaths) == ("requeued", 0)
