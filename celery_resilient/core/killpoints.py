@@ -36,6 +36,10 @@ Points, in the order a task reaches them:
     Celery 5.7's Redis backend claimed the right to send a chord's body and has not sent
     it (reached only in the canvas tests' backend): the copy of the header that was
     dispatching waits for the claim to expire and counts again, which sends the body.
+``after_batch_take``
+    the worker's main process committed a batch of takes (worker/dispatch.py) and has not
+    handed those requests to the pool: each claim is ``running`` and was never seen to start;
+    the copies the restarted worker gets must each run once, with no death counted.
 ``mid_prune``
     inside a retention batch's transaction: finished work rows deleted, their steps not yet
     (the batch must be rolled back whole).
@@ -63,7 +67,8 @@ ENV = "RESILIENT_KILL_AT"
 ONCE_ENV = "RESILIENT_KILL_ONCE"
 SCOPE_ENV = "RESILIENT_KILL_SCOPE"
 POINTS = ("before_ack", "after_failed", "after_checkpoint", "after_step", "after_effect",
-          "before_chord_count", "before_success_stored", "before_chord_body_sent", "mid_prune")
+          "before_chord_count", "before_success_stored", "before_chord_body_sent",
+          "after_batch_take", "mid_prune")
 
 
 def parse(spec: str | None) -> dict[str, int]:

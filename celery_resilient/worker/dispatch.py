@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any
 
-from celery_resilient.core import codec, messages, workkey
+from celery_resilient.core import codec, killpoints, messages, workkey
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.batched_takes import Started, TakeRequest
@@ -212,6 +212,8 @@ class BatchedDispatch:
                         "processes take their own claims", len(takes), type(exc).__name__,
                         exc, extra={"action": "batch_take_failed"})
             claims = {}
+        if claims and killpoints.ARMED:
+            killpoints.reached("after_batch_take")
         self.batches += 1
         for (request, execute, connection), key in zip(batch, keys, strict=True):
             claim = claims.get(key) if key is not None else None

@@ -152,6 +152,33 @@ def test_kill_points_after_effect_and_before_ack(make_env: Callable[..., Env], b
     assert shorts == [(short, 1)], f"the task before the ack kill ran again: {shorts}"
 
 
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_kill_point_after_a_batch_of_takes(make_env: Callable[..., Env], broker: str,
+                                           redis_url: str, amqp_url: str, tmp_path: Path,
+                                           effect_log: EffectLog) -> None:
+    """The whole worker dies once its main process committed a batch of takes and before
+    the pool got any of those requests: the restarted worker runs each task once (Redis's
+    holding given back, RabbitMQ's redelivery), and no death is counted for claims taken
+    but never started."""
+    env = make_env(redis_url if broker == "redis" else amqp_url)
+    env.store.migrate()
+    once = tmp_path / "killed-after-batch-take"
+    worker = env.worker(RESILIENT_KILL_AT="after_batch_take", RESILIENT_KILL_ONCE=str(once))
+    keys = [env.send("short", n, 0.0, task_id=f"bt-{n}") for n in range(6)]
+    wait_for(lambda: worker.process.status == "exited", 60, "the kill point to fire")
+    taken = [k for k in keys if env.state(k) == "running"]
+    assert taken, "the batch committed no take before the kill"
+    assert effect_log.entries() == [], "a request reached the pool before the kill"
+    worker.restart()
+    wait_for(lambda: all(env.state(k) == "done" for k in keys), 60,
+             "every task to finish after the restart")
+    starts = sorted(e["key"] for e in effect_log.entries() if e["effect"] == "start")
+    assert starts == sorted(keys), f"each task once: {starts}"
+    for key in taken:
+        row = env.store.get_work(key)
+        assert row is not None and (row.epoch, row.deaths) == (2, 0), row
+
+
 @pytest.mark.parametrize("every", [0, -5])
 def test_beat_with_a_non_positive_interval_fails_at_startup_naming_the_entry(
         resilient_nodes: NodeFactory, redis_url: str, pg_url: str, table_prefix: str,
