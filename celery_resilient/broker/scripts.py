@@ -60,6 +60,17 @@ return 0
 """
 
 
+#: KEYS: unacked hash, unacked index, the incarnation's holding. ARGV: the delivery tag.
+#: kombu's ack (both indices) and the holding's, in one command: kombu builds a client and a
+#: pipeline for every ack, which costs the worker's event loop more than the round trip.
+ACK = """
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('SREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+
 class Script:
     """A Lua script sent by its SHA1, loaded again after a server restart (NOSCRIPT)."""
 
@@ -91,4 +102,5 @@ def is_noscript(exc: BaseException) -> bool:
 
 
 FETCH_SCRIPT = Script(FETCH)
+ACK_SCRIPT = Script(ACK)
 FORGET_EMPTY_SCRIPT = Script(FORGET_EMPTY)

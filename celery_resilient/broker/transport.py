@@ -41,7 +41,7 @@ from kombu.utils.json import loads
 from kombu.utils.uuid import uuid
 
 from celery_resilient.broker import keys
-from celery_resilient.broker.scripts import FETCH_SCRIPT, is_noscript
+from celery_resilient.broker.scripts import ACK_SCRIPT, FETCH_SCRIPT, is_noscript
 from celery_resilient.core import identity
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,14 @@ class HoldingQoS(kombu_redis.QoS):
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         pipe = super()._remove_from_indices(delivery_tag, pipe)
         return pipe.srem(self.channel.holding_key, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        """kombu's ack and the holding's in one script on the channel's own client."""
+        channel = self.channel
+        p = channel.global_keyprefix
+        ACK_SCRIPT(channel.raw_client, [p + self.unacked_key, p + self.unacked_index_key,
+                                        p + channel.holding_key], [delivery_tag])
+        virtual.QoS.ack(self, delivery_tag)
 
     def restore_visible(self, start: int = 0, num: int | None = 10,
                         interval: int = 10) -> None:

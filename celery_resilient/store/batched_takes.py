@@ -14,13 +14,14 @@ later batch, when the pool accepted it. A running claim still unstarted was take
 known to start: its takeover after a whole-worker death counts no death (see
 ``Store._take``), and its own worker treats it as live (it holds the request).
 
-On PostgreSQL a batch is one statement over arrays (``unnest``): one parse and one commit
+On PostgreSQL a batch is one statement over JSON arrays of rows: one parse and one commit
 for the whole batch. On SQLite (in-process) it is one ``BEGIN IMMEDIATE`` transaction of
 single-row statements.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,21 +129,23 @@ class BatchedTakes:
              "message": "i.message_json", "node": "%(node)s", "inc": "%(inc)s",
              "lease": "%(lease)s", "max_attempts": "%(max_attempts)s"}
         self.pg_batch = (
+            # The rows come as JSON arrays of arrays (one parameter each): psycopg dumps a
+            # text in C where a list of texts costs Python work per element.
             "WITH started AS ("
             f"UPDATE {work} AS w SET owner_pid = s.pid "
-            "FROM unnest(%(s_keys)s::text[], %(s_epochs)s::bigint[], %(s_pids)s::int[]) "
-            "AS s(work_key, epoch, pid) "
+            "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch, (e->>2)::int AS pid "
+            "FROM json_array_elements(%(started)s::json) AS e) AS s "
             f"WHERE w.work_key = s.work_key AND w.epoch = s.epoch AND w.state = '{RUNNING}' "
             f"AND w.owner_pid = {UNSTARTED_PID} RETURNING 1), "
             f"lost AS (UPDATE {work} AS w SET incarnation = NULL, owner_pid = NULL, "
             f"lease_expires_at = {now} "
-            "FROM unnest(%(l_keys)s::text[], %(l_epochs)s::bigint[]) AS l(work_key, epoch) "
+            "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch "
+            "FROM json_array_elements(%(lost)s::json) AS e) AS l "
             f"WHERE w.work_key = l.work_key AND w.epoch = l.epoch AND w.state = '{RUNNING}' "
             "AND w.incarnation = %(inc)s RETURNING 1), "
-            "i AS (SELECT * FROM unnest(%(keys)s::text[], %(names)s::text[], "
-            "%(task_ids)s::text[], %(digests)s::text[], %(retries)s::int[], "
-            "%(supersedes)s::bigint[], %(messages)s::text[]) "
-            "AS i(work_key, task_name, task_id, digest, retries, supersedes, message_json)), "
+            "i AS (SELECT e->>0 AS work_key, e->>1 AS task_name, e->>2 AS task_id, "
+            "e->>3 AS digest, (e->>4)::int AS retries, (e->>5)::bigint AS supersedes, "
+            "e->>6 AS message_json FROM json_array_elements(%(takes)s::json) AS e), "
             f"upd AS (UPDATE {work} AS w SET {set_running.format(**i)} FROM i "
             f"WHERE w.work_key = i.work_key AND {takeable.format(**i)} RETURNING {taken}), "
             f"ins AS (INSERT INTO {work} ({insert_cols}) "
@@ -164,16 +167,12 @@ class BatchedTakes:
         SQLite: ``conn`` is inside a writing transaction the caller commits."""
         if self.dialect.is_sqlite:
             return self._run_sqlite(conn, takes, started, node, inc, lease, max_attempts)
-        began = [s for s in started if s.pid is not None]
-        lost = [s for s in started if s.pid is None]
         params = {
-            "s_keys": [s.work_key for s in began], "s_epochs": [s.epoch for s in began],
-            "s_pids": [s.pid for s in began],
-            "l_keys": [s.work_key for s in lost], "l_epochs": [s.epoch for s in lost],
-            "keys": [t.work_key for t in takes], "names": [t.task_name for t in takes],
-            "task_ids": [t.task_id for t in takes], "digests": [t.args_digest for t in takes],
-            "retries": [t.retries for t in takes], "supersedes": [t.supersedes for t in takes],
-            "messages": [t.message_json for t in takes],
+            "started": json.dumps([[s.work_key, s.epoch, s.pid] for s in started
+                                   if s.pid is not None]),
+            "lost": json.dumps([[s.work_key, s.epoch] for s in started if s.pid is None]),
+            "takes": json.dumps([[t.work_key, t.task_name, t.task_id, t.args_digest, t.retries,
+                                  t.supersedes, t.message_json] for t in takes]),
             "node": node, "inc": inc, "lease": lease, "max_attempts": max_attempts,
         }
         raw = conn.connection.dbapi_connection

@@ -154,6 +154,9 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.maintainer.give_back_first()
         self.maintainer.start()
         self.dispatch = _batched_dispatch(rt, owner, worker)
+        log.info("celery-resilient: batched_takes=%s", "on" if self.dispatch is not None else
+                 "off (resilient_batched_takes, or not a prefork pool on the event loop)",
+                 extra={"action": "startup"})
         celery_signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(self._on_shutdown, weak=False)
 
