@@ -1145,8 +1145,8 @@ class Store:
                         lapse.append((r.work_key, int(r.epoch), "its message is no longer held"))
                     continue
                 pid = r.owner_pid
-                if pid == UNSTARTED_PID and held is not None and r.task_id in held:
-                    continue  # taken for a request it still holds: on its way to the pool
+                if pid == UNSTARTED_PID and (held is None or r.task_id in held):
+                    continue  # taken for a request it (may) still hold: on its way to the pool
                 if pid_alive is not None and pid and pid != owner.pid:
                     if pid not in dead_pids:
                         dead_pids[pid] = not pid_alive(pid)
