@@ -60,7 +60,9 @@ class BatchedDispatch:
         self._connection = 0
         self._waiting: deque[tuple[Any, Execute, int]] = deque()
         self._ready: deque[tuple[Any, Execute, int]] = deque()
-        self._marks: list[Started] = []
+        #: Started and lost marks by claim: one per claim and statement (a death replaces a
+        #: start not yet written).
+        self._marks: dict[tuple[str, int], Started] = {}
         self._release: list[tuple[str, int]] = []
         self._claims: dict[str, tuple[str, int]] = {}  # task id -> (work key, epoch) handed
         self._lock = threading.Lock()
@@ -126,10 +128,7 @@ class BatchedDispatch:
 
     def _mark(self, mark: Started) -> None:
         with self._lock:
-            # One mark per claim and statement: a death replaces a start not yet written.
-            self._marks = [m for m in self._marks
-                           if (m.work_key, m.epoch) != (mark.work_key, mark.epoch)]
-            self._marks.append(mark)
+            self._marks[(mark.work_key, mark.epoch)] = mark
 
     def _give_back(self, task_ids: Collection[str]) -> None:
         claims = [c for c in (self._claims.pop(t, None) for t in task_ids) if c is not None]
@@ -191,7 +190,7 @@ class BatchedDispatch:
         while self._waiting and len(batch) < MAX_BATCH:
             batch.append(self._waiting.popleft())
         with self._lock:
-            marks, self._marks = self._marks, []
+            marks, self._marks = list(self._marks.values()), {}
         takes: list[TakeRequest] = []
         keys: list[str | None] = []
         seen: set[str] = set()
