@@ -92,6 +92,15 @@ class HotStatements:
                     error=bindparam("error"), owner_pid=None, lease_expires_at=None,
                     updated_at=now, finished_at=now)
         )
+        # The same finish, committed without waiting for the WAL flush (PostgreSQL): its
+        # worker's main process acknowledges the message only after a commit of its own that
+        # does wait (Store.flush), so the result is durable before the ack all the same
+        # (worker/dispatch.py). set_config(..., true) is SET LOCAL inside the statement's own
+        # transaction: nothing leaks to the session (or, behind a pooler, to another client).
+        if not dialect.is_sqlite:
+            local_async = select(func.set_config("synchronous_commit", "off", True))
+            self.close_unflushed = self.close.where(
+                local_async.scalar_subquery().is_not(None))
         self.fence = (
             update(w)
             .where(w.c.work_key == bindparam("k"), w.c.epoch == bindparam("e"),

@@ -784,9 +784,24 @@ class Store:
         return and_(wk.c.stopped_at.is_(None), lease_end > self.dialect.now())
 
     @guarded
-    def finish(self, work_key: str, epoch: int, result_json: str | None) -> None:
-        """Result and ``done`` together, before the broker ack; a stale epoch changes nothing."""
-        self._close(work_key, epoch, DONE, result_json=result_json)
+    def finish(self, work_key: str, epoch: int, result_json: str | None,
+               flushed: bool = True) -> None:
+        """Result and ``done`` together, before the broker ack; a stale epoch changes nothing.
+
+        ``flushed`` False (PostgreSQL): committed without waiting for the WAL flush, for a
+        caller whose acknowledgement waits for :meth:`flush` (a worker's batched takes)."""
+        self._close(work_key, epoch, DONE, result_json=result_json,
+                    statement="close" if flushed or self.dialect.is_sqlite else "close_unflushed")
+
+    @guarded
+    def flush(self) -> None:
+        """Return once every commit made before this call is durable: a commit that waits for
+        the WAL flush (``txid_current()`` gives this one a commit record to wait for) covers
+        every earlier commit, those made without waiting included. SQLite: nothing to do."""
+        if self.dialect.is_sqlite:
+            return
+        with self.single() as conn:
+            conn.exec_driver_sql("SELECT txid_current()")
 
     @guarded
     def fail(self, work_key: str, epoch: int, error: str, state: str = FAILED,
@@ -875,10 +890,10 @@ class Store:
                 .values(**self.ended(REVOKED, REVOKE_LIST_ERROR))).rowcount)
 
     def _close(self, work_key: str, epoch: int, state: str, result_json: str | None = None,
-               error: str | None = None) -> None:
+               error: str | None = None, statement: str = "close") -> None:
         with self.single() as conn:
-            res = self._hot.run(conn, "close", {"k": work_key, "e": epoch, "state": state,
-                                                    "result_json": result_json, "error": error})
+            res = self._hot.run(conn, statement, {"k": work_key, "e": epoch, "state": state,
+                                                  "result_json": result_json, "error": error})
         if res.rowcount != 1:
             if state == DONE and self._already_finished(work_key, epoch, result_json):
                 return  # this very finish committed; its reply was lost and it was retried

@@ -103,6 +103,9 @@ class Execution:
     #: The checkpoint to resume from as the take read it: the first ``load`` needs no round
     #: trip (None: not read, ``load`` asks the store).
     resume_from: Resume | None = None
+    #: Taken by the worker's main process (batched takes): the finish need not wait for the
+    #: WAL flush, that process flushes before it acknowledges.
+    handed: bool = False
 
     @property
     def direct(self) -> bool:

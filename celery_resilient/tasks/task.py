@@ -194,6 +194,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         who = identity.owner(req.hostname, eager=bool(req.is_eager))
         ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
         claim = handed.received(req, who.incarnation, work_key)  # taken by the main process
+        handed_claim = claim is not None
         if claim is None:
             taken = self._take(rt, req, work_key, who, ctx, args, kwargs)
             if isinstance(taken, TakeOutcome):  # a copy of ended work
@@ -207,7 +208,8 @@ class ResumableTask(Task):  # type: ignore[misc]
             raise Ignore()
         req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
                                             claim.attempts, can_hand_off=not req.is_eager,
-                                            task_id=req.id, resume_from=claim.resume)
+                                            task_id=req.id, resume_from=claim.resume,
+                                            handed=handed_claim)
         req.resilient_checkpoint = None
         identity.enter(work_key)
         try:
@@ -284,7 +286,8 @@ class ResumableTask(Task):  # type: ignore[misc]
                 self.on_resume(self.execution.attempts)
             result = (self.run if body is None else body)(*args, **kwargs)
             rt.store.finish(work_key, epoch,
-                            codec.encode(_as_stored(result), f"result of {self.name}"))
+                            codec.encode(_as_stored(result), f"result of {self.name}"),
+                            flushed=not self.execution.handed)
             if killpoints.ARMED:
                 killpoints.reached("before_ack")
             return result

@@ -14,6 +14,13 @@ process's PID becomes the claim's ``owner_pid``), and clears the owner of a clai
 process died running it (the next take counts the death). A claim taken here and never
 marked was never known to start: a takeover after this worker died counts no death for it.
 
+The pool process finishes a handed claim without waiting for the WAL flush (PostgreSQL), and
+its acknowledgement waits here instead, for a commit of this thread's that does wait (the
+next batch of takes, or a bare flush): one flush for many results, each durable before its
+ack all the same. A worker SIGKILLed in between leaves the message unacknowledged (the copy
+finds the work done); only a database crash can lose such a finish, and then the claim is
+still open and is re-published from the store (docs/reliability.md).
+
 A batch that fails (store unreachable, any error) goes on without claims: each pool process
 then takes its own on the careful path, with its store-outage handling. When the consumer
 loses its broker connection Celery drops the requests it had not handed to the pool; so does
@@ -29,6 +36,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any
@@ -64,6 +72,12 @@ class BatchedDispatch:
         #: start not yet written).
         self._marks: dict[tuple[str, int], Started] = {}
         self._release: list[tuple[str, int]] = []
+        #: Requests whose acknowledgement waits for a flush, and those flushed, with the
+        #: consumer connection they came on.
+        self._unflushed: deque[tuple[Any, int]] = deque()
+        self._flushed: deque[tuple[Any, int]] = deque()
+        self._flush_failed_at: float | None = None
+        self._defers = not rt.store.dialect.is_sqlite
         self._claims: dict[str, tuple[str, int]] = {}  # task id -> (work key, epoch) handed
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -96,6 +110,8 @@ class BatchedDispatch:
             self._hub = None
         self._waiting.clear()
         self._ready.clear()
+        self._unflushed.clear()  # their delivery tags died with the connection
+        self._flushed.clear()
         if known is not None:
             gone = [tid for tid in list(self._claims) if tid not in known]
             self._give_back(gone)
@@ -122,6 +138,25 @@ class BatchedDispatch:
         if claim is not None:
             self._mark(Started(claim[0], claim[1], None))
 
+    def defer_ack(self, request: Any) -> bool:
+        """Whether ``request``'s acknowledgement waits for the next flush (its claim was
+        handed: its finish did not wait for one); the event loop acknowledges it then."""
+        if not self._defers or request.id not in self._claims:
+            return False
+        if self._stopping or self._hub is None:
+            self._flush_inline()  # no thread to wait for: flush here, then acknowledge
+            return False
+        self._unflushed.append((request, self._connection))
+        self._wake.set()
+        return True
+
+    def _flush_inline(self) -> None:
+        try:
+            self.rt.store.flush()
+        except Exception as exc:  # acknowledged anyway: the claim stays open in the store
+            log.warning("could not flush before acknowledging (%s: %s)", type(exc).__name__,
+                        exc)
+
     def forget(self, request: Any) -> None:
         """``request`` was acknowledged or rejected: nothing more to mark for it."""
         self._claims.pop(request.id, None)
@@ -141,6 +176,10 @@ class BatchedDispatch:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._read_fd, 4096):
                 pass
+        while self._flushed:
+            request, connection = self._flushed.popleft()
+            if connection == self._connection:
+                request.acknowledge_now()
         while self._ready:
             request, execute, connection = self._ready.popleft()
             if connection != self._connection or self._stopping:
@@ -156,25 +195,61 @@ class BatchedDispatch:
 
     def stop(self) -> None:
         """No more batched takes (warm shutdown): what was not handed on stays unacked and
-        the broker restores it; its claims go back at the stop (``mark_stopped``)."""
+        the broker restores it; its claims go back at the stop (``mark_stopped``). Results
+        that come in from now on are flushed by the caller before their acknowledgement."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=5)
+        if self._unflushed:
+            self._flush_inline()
+            self._flushed.extend(self._unflushed)
+            self._unflushed.clear()
         for fd in (self._read_fd, self._write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
     def _run(self) -> None:
         while not self._stopping:
-            # Started marks wait for the next batch of takes, or 50 ms at most.
-            self._wake.wait(timeout=STARTED_DELAY if self._marks else 1.0)
+            # Started marks wait for the next batch of takes, or 50 ms at most; after a
+            # failed flush, the next try waits a second.
+            pause = 1.0 if self._flush_failed_at is not None else (
+                STARTED_DELAY if self._marks else 1.0)
+            self._wake.wait(timeout=pause)
             self._wake.clear()
+            # Acknowledgements asked for before this round's first commit: it covers them.
+            acks = len(self._unflushed)
+            wrote = False
             if self._release:
                 self._release_claims()
             while self._waiting and not self._stopping:
-                self._take_batch()
+                wrote = self._take_batch() or wrote
             if self._marks and not self._stopping:
-                self._take_batch()
+                wrote = self._take_batch() or wrote
+            if acks:
+                self._flush_acks(acks, flushed=wrote)
+
+    def _flush_acks(self, count: int, flushed: bool) -> None:
+        """Hand ``count`` waiting acknowledgements to the event loop once a commit that waited
+        for the WAL flush began after they were asked for (``flushed``: a batch of takes
+        that wrote did)."""
+        if not flushed:
+            try:
+                self.rt.store.flush()
+            except Exception as exc:
+                if self._flush_failed_at is None:
+                    log.warning("could not flush %d result(s) before their acknowledgement "
+                                "(%s: %s); retrying", count, type(exc).__name__, exc,
+                                extra={"action": "flush_failed"})
+                self._flush_failed_at = time.monotonic()
+                return
+        self._flush_failed_at = None
+        for _ in range(count):
+            try:
+                self._flushed.append(self._unflushed.popleft())
+            except IndexError:  # dropped meanwhile with a lost connection
+                break
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._write_fd, b"!")
 
     def _release_claims(self) -> None:
         with self._lock:
@@ -185,7 +260,9 @@ class BatchedDispatch:
             log.warning("could not hand back %d claim(s) taken for dropped requests (%s: %s)",
                         len(claims), type(exc).__name__, exc)
 
-    def _take_batch(self) -> None:
+    def _take_batch(self) -> bool:
+        """One statement of takes and marks; whether it took any claim (then it wrote, and
+        its commit waited for the WAL flush)."""
         batch: list[tuple[Any, Execute, int]] = []
         while self._waiting and len(batch) < MAX_BATCH:
             batch.append(self._waiting.popleft())
@@ -223,6 +300,7 @@ class BatchedDispatch:
         if batch:
             with contextlib.suppress(BlockingIOError):  # a wake is pending already
                 os.write(self._write_fd, b"!")
+        return bool(claims)
 
     def _take_request(self, request: Any) -> TakeRequest | None:
         try:

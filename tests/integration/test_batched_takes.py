@@ -170,3 +170,21 @@ def test_reconcile_keeps_unstarted_claims_of_held_requests(store: Store) -> None
     held, gone = store.get_work("held"), store.get_work("gone")
     assert held is not None and (held.state, held.owner_pid) == ("running", UNSTARTED_PID)
     assert gone is not None and (gone.state, gone.deaths) == ("requeued", 0)
+
+
+def test_a_finish_that_does_not_wait_for_the_flush_changes_no_session_setting(
+        store: Store) -> None:
+    """The finish of a handed claim commits without waiting for the WAL flush (PostgreSQL) by
+    a transaction-local setting: the pooled connection it ran on keeps the server's setting
+    (behind a pooler it may serve another client next)."""
+    me = started(store, owner())
+    claims = store.take_batch([request("k")], [], me, 30.0, 5)
+    store.finish("k", claims["k"].epoch, codec.encode(42), flushed=False)
+    store.flush()
+    row = store.get_work("k")
+    assert row is not None and row.state == "done" and codec.decode(row.result_json) == 42
+    if store.dialect.is_sqlite:
+        return
+    with store.single() as conn:  # the autocommit pool the finish ran on (one connection)
+        setting = conn.exec_driver_sql("SHOW synchronous_commit").scalar_one()
+    assert setting == "on"
