@@ -457,15 +457,20 @@ class ResumableTask(Task):  # type: ignore[misc]
             return False
 
     def _ended_for_the_caller(self, rt: Runtime, claim: Claim, ctx: dict[str, Any]) -> bool:
-        """Whether Celery already told the caller this request failed or was revoked,
-        though the store still had it open: a hard time limit or ``revoke(terminate=True)``
-        is recorded by the worker's main process after Celery stored the state and acked the
-        message, and a SIGKILL while the store was slow or down loses that record. The copy
-        (re-published from the store) then ends the work the same way and runs nothing, as
-        plain Celery would run nothing: its message was acknowledged.
+        """Whether Celery already told the caller how this request ended, though the store
+        still had it open; then the work ends the same way and nothing runs again.
 
-        Asked only of a resumed execution (``attempts > 1``); without a result backend nothing
-        can tell (docs/reliability.md)."""
+        - FAILURE or REVOKED: a hard time limit or ``revoke(terminate=True)`` is recorded
+          by the worker's main process after Celery stored the state and acked the message,
+          and a SIGKILL while the store was slow or down loses that record. Plain Celery
+          would run nothing: its message was acknowledged.
+        - SUCCESS: a finish committed without waiting for the WAL flush (batched takes) and
+          lost by a database crash before the flush; the result Celery stored is recorded
+          and the chord part counted again where that counts it once (tasks/replay.py).
+
+        Asked only of a resumed execution (``attempts > 1``), which the store re-published
+        or a redelivery brought; without a result backend nothing can tell
+        (docs/reliability.md)."""
         req = self.request
         if req.is_eager or not self._stores_results():
             return False
@@ -475,19 +480,27 @@ class ResumableTask(Task):  # type: ignore[misc]
             log.warning("result backend unreadable for %s: %s", req.id, exc)
             return False
         state = meta.get("status")
-        if state not in (states.FAILURE, states.REVOKED):
+        if state not in (states.SUCCESS, states.FAILURE, states.REVOKED):
             return False
-        ended = REVOKED if state == states.REVOKED else FAILED
         result = meta.get("result")
-        failure = codec.failure_json(result) if isinstance(result, BaseException) else None
         try:
-            rt.store.fail(ctx["work_key"], claim.epoch, f"{state} already told to the caller",
-                          ended, failure)
-        except (StaleClaimError, StoreUnavailable) as exc:
-            log.warning("work %s: could not record %s (%s)", ctx["work_key"], ended, exc)
+            if state == states.SUCCESS:
+                rt.store.finish(ctx["work_key"], claim.epoch,
+                                codec.encode(_as_stored(result), f"result of {self.name}"))
+            else:
+                failure = (codec.failure_json(result) if isinstance(result, BaseException)
+                           else None)
+                rt.store.fail(ctx["work_key"], claim.epoch,
+                              f"{state} already told to the caller",
+                              REVOKED if state == states.REVOKED else FAILED, failure)
+        except (StaleClaimError, StoreUnavailable, ResilientError) as exc:
+            log.warning("work %s: could not record %s (%s)", ctx["work_key"], state, exc)
         log.warning("work %s not resumed: the caller was already told %s (its worker was "
                     "lost before the store heard of it)", ctx["work_key"], state,
                     extra={"action": "already_reported", **ctx})
+        if state == states.SUCCESS:
+            replay.report_again(self.backend, req, state, result,
+                                wait_for_dispatch=not req.is_eager)
         return True
 
     def _stores_results(self) -> bool:

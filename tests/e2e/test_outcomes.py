@@ -13,6 +13,8 @@ Workers run ``tests/e2e/lifecycleproj.py`` with a Redis result backend.
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 import uuid
 from collections import Counter
@@ -21,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import create_engine, func, select
 
 from celery_resilient.core import codec, messages
 from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.nodes import LocalWorker
+from celery_resilient.testing.services import ThrowawayPostgres
 
 from . import lifecycleproj
 from .conftest import Project, close_result_client
@@ -540,6 +543,49 @@ def test_a_hard_time_limit_the_store_missed_is_not_run_again(make_lab: Callable[
     meta = lab.verify(task_id, worker, "failed", "FAILURE", runs=1)
     assert _error(meta) == "TimeLimitExceeded"
     assert "the caller was already told FAILURE" in worker.process.logs()
+
+
+def test_a_database_crash_before_a_finish_is_flushed_runs_nothing_again(
+        make_project: Callable[..., Project], redis_url: str, effect_log: EffectLog,
+        throwaway_pg: ThrowawayPostgres, tmp_path: Path) -> None:
+    """A handed claim's finish commits without waiting for the WAL flush; the worker's main
+    process flushes before it acknowledges. Here the main process is stopped (SIGSTOP)
+    while the pool process finishes, Celery stores SUCCESS, and PostgreSQL crashes
+    (``pg_ctl -m immediate``, its WAL writer slowed to 10 s) before anything flushed: the
+    finish is lost. After the restart the main process flushes and acknowledges; the claim
+    it still sees open is let go and re-published, and the copy must record the result the
+    caller was told instead of running the body again."""
+    engine = create_engine(throwaway_pg.url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        conn.exec_driver_sql("SELECT pg_reload_conf()")
+    engine.dispose()
+    project = make_project(redis_url, throwaway_pg.url)
+    project.extra = dict(FAST)
+    lab = Lab(project, effect_log, redis_url)
+    worker = lab.worker()
+    wait_for(lambda: "batched_takes=on" in worker.process.logs(), 30, "the batched takes")
+    gate = tmp_path / "gate"
+    task_id = lab.send("sleeper", 60, str(gate))
+    wait_for(lambda: lab.runs(task_id) == 1, 30, "the task to run")
+    main = worker.process.main_pid
+    assert main is not None
+    os.kill(main, signal.SIGSTOP)
+    try:
+        gate.touch()  # the body returns: finish (unflushed), SUCCESS stored, result pending
+        wait_for(lambda: lab.async_state(task_id) == "SUCCESS", 30, "the caller to get SUCCESS")
+        wait_for(lambda: lab.work_state(task_id) == "done", 10, "the finish to commit")
+        throwaway_pg.stop_immediately()
+        throwaway_pg.start()
+        lost = lab.work_state(task_id)
+    finally:
+        os.kill(main, signal.SIGCONT)
+    assert lost == "running", f"the WAL writer flushed the finish first ({lost}): no window"
+    meta = lab.verify(task_id, worker, "done", "SUCCESS", runs=1)
+    assert meta["result"] == "slept"
+    row = lab.store.get_work(task_id)
+    assert row is not None and codec.decode(row.result_json) == "slept"
+    assert "the caller was already told SUCCESS" in worker.process.logs()
 
 
 def test_a_kill_just_after_a_hard_time_limit_keeps_the_callers_exception(
