@@ -201,16 +201,19 @@ def results_table(modes: list[Mode]) -> str:
     rows = []
     for mode in modes:
         paired = [r / p for r, p in zip(mode.rates, plain.rates, strict=True)]
+        # wall time each task adds at this concurrency, from the per-rep pairs
+        added = [1000 / r - 1000 / p for r, p in zip(mode.rates, plain.rates, strict=True)]
         rows.append((
             mode.name, mode.store_label, f"{median(mode.rates):.0f}",
             f"{min(mode.rates):.0f}-{max(mode.rates):.0f}",
             f"{median(mode.rates) / median(plain.rates):.2f}",
-            f"{median(paired):.2f}", f"{median(mode.publish_rates):.0f}",
+            f"{median(paired):.2f}", f"{median(added):+.3f}", f"{median(mode.publish_rates):.0f}",
             *(f"{median([c[i] for c in mode.cpu[-len(mode.rates):]]):.2f}" for i in range(3)),
         ))
     return markdown_table(
         ["mode", "store", "median tasks/s", "range", "ratio ours/plain (medians)",
-         "ratio (median of per-rep pairs)", "publish msgs/s",
+         "ratio (median of per-rep pairs)", "added ms per task (wall, per-rep pairs)",
+         "publish msgs/s",
          "CPU ms/task: worker main", "pool processes", "rest of machine"], rows)
 
 
