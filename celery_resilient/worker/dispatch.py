@@ -197,6 +197,8 @@ class BatchedDispatch:
         """No more batched takes (warm shutdown): what was not handed on stays unacked and
         the broker restores it; its claims go back at the stop (``mark_stopped``). Results
         that come in from now on are flushed by the caller before their acknowledgement."""
+        if self._stopping:
+            return
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=5)

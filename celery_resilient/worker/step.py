@@ -174,7 +174,9 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if self.maintainer is None:
             return
         self._request_hand_off()
-        self._stop_dispatch()
+        if self.dispatch is not None:
+            # No more batched takes; results of the drain still flush before their acks.
+            self.dispatch.stop()
         self.maintainer.draining = True
         rt, owner = self.maintainer.rt, self.maintainer.owner
         try:
@@ -202,8 +204,8 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         broker restores it), and its claims go back at the stop (``mark_stopped``)."""
         dispatch, self.dispatch = self.dispatch, None
         if dispatch is not None:
-            dispatch.rt.dispatcher = None
             dispatch.stop()
+            dispatch.rt.dispatcher = None
 
     def _finish(self) -> None:
         self._stop_dispatch()
