@@ -1220,10 +1220,12 @@ class Store:
             return int(reserved) + int(unstarted)
 
     @guarded
-    def release_unstarted(self, owner: Owner, claims: Sequence[tuple[str, int]]) -> int:
+    def release_unstarted(self, owner: Owner, claims: Sequence[tuple[str, int]],
+                          hold_seconds: float) -> int:
         """Hand back claims ``owner``'s main process took (``(work key, epoch)``) for
-        requests it dropped before its pool saw them start (a lost broker connection):
-        ``requeued``, no death, for the copy the broker delivers again."""
+        requests it dropped before its pool saw them start (a lost broker connection, a
+        shutdown): ``requeued``, no death, for the copy the broker delivers again; the sweep
+        re-publishes one only if none took it within ``hold_seconds``."""
         w = self.t.work
         now = self.dialect.now()
         released = 0
@@ -1234,7 +1236,7 @@ class Store:
                                     w.c.state == RUNNING, w.c.owner_pid == UNSTARTED_PID,
                                     w.c.incarnation == owner.incarnation)
                     .values(state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
-                            lease_expires_at=now, updated_at=now)).rowcount)
+                            lease_expires_at=now + hold_seconds, updated_at=now)).rowcount)
         return released
 
     @guarded

@@ -45,6 +45,12 @@ def known_task_ids_or_none() -> set[str] | None:
         return None
 
 
+def _shutting_down() -> bool:
+    """Whether the worker is stopping (Celery sets these to an exit code, 0 included)."""
+    return any(flag is not None and flag is not False
+               for flag in (worker_state.should_stop, worker_state.should_terminate))
+
+
 class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """On every stop of the consumer (a lost connection, or shutdown): drop held ids that
     Celery itself dropped, so their claims lapse and are re-published."""
@@ -66,7 +72,7 @@ class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if isinstance(rt.dispatcher, BatchedDispatch):
             rt.dispatcher.detach(known)
         dropped = rt.held.retain(known)
-        if dropped:
+        if dropped and not _shutting_down():
             log.warning("broker connection closed: %d received message(s) Celery can no "
                         "longer acknowledge are let go; their claims are re-published once "
                         "their lease lapses", dropped, extra={"action": "deliveries_dropped",

@@ -45,6 +45,7 @@ from celery_resilient.core import codec, killpoints, messages, workkey
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.batched_takes import Started, TakeRequest
+from celery_resilient.store.sql import Claim
 from celery_resilient.tasks import handed
 from celery_resilient.tasks.task import SUPERSEDES_HEADER
 
@@ -55,6 +56,8 @@ MAX_BATCH = 256
 STARTED_DELAY = 0.05
 
 Execute = Callable[[Any], None]
+#: A request waiting here: the request, how to hand it to the pool, its connection's number.
+Entry = tuple[Any, Execute, int]
 
 
 class BatchedDispatch:
@@ -66,11 +69,12 @@ class BatchedDispatch:
         self._hub: Any = None
         #: Bumped when the consumer's connection ends: requests of an earlier one are dropped.
         self._connection = 0
-        self._waiting: deque[tuple[Any, Execute, int]] = deque()
-        self._ready: deque[tuple[Any, Execute, int]] = deque()
+        self._waiting: deque[Entry] = deque()
+        self._ready: deque[Entry] = deque()
         #: Started and lost marks by claim: one per claim and statement (a death replaces a
         #: start not yet written).
         self._marks: dict[tuple[str, int], Started] = {}
+        self._marks_since = 0.0
         self._release: list[tuple[str, int]] = []
         #: Requests whose acknowledgement waits for a flush, and those flushed, with the
         #: consumer connection they came on.
@@ -79,6 +83,14 @@ class BatchedDispatch:
         self._flush_failed_at: float | None = None
         self._defers = not rt.store.dialect.is_sqlite
         self._claims: dict[str, tuple[str, int]] = {}  # task id -> (work key, epoch) handed
+        #: Work keys of claims handed and not yet started, and the task id holding each;
+        #: other requests for such a key wait (``_parked``) until that request started or
+        #: ended without starting, as if they had both gone to the pool (whichever starts
+        #: first runs); handed on earlier, they would find the claim taken for a request
+        #: that might never run (a revoked one) and be acknowledged as copies.
+        self._unstarted: dict[str, str] = {}
+        self._parked: dict[str, list[Entry]] = {}
+        self._after_release: list[Entry] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
@@ -110,6 +122,9 @@ class BatchedDispatch:
             self._hub = None
         self._waiting.clear()
         self._ready.clear()
+        with self._lock:
+            self._parked.clear()
+            self._after_release.clear()
         self._unflushed.clear()  # their delivery tags died with the connection
         self._flushed.clear()
         if known is not None:
@@ -126,10 +141,12 @@ class BatchedDispatch:
         self._wake.set()
 
     def started(self, request: Any, pid: int) -> None:
-        """The pool accepted ``request`` (its process ``pid``): mark its claim started."""
+        """The pool accepted ``request`` (its process ``pid``): mark its claim started;
+        requests waiting for its key go on (their own takes find it running here)."""
         claim = self._claims.get(request.id)
         if claim is not None:
             self._mark(Started(claim[0], claim[1], pid))
+            self._unpark(claim[0], request.id, to=self._ready)
 
     def lost(self, request: Any) -> None:
         """The pool process running ``request`` died: its claim loses its owner now, so the
@@ -137,6 +154,7 @@ class BatchedDispatch:
         claim = self._claims.pop(request.id, None)
         if claim is not None:
             self._mark(Started(claim[0], claim[1], None))
+            self._unpark(claim[0], request.id, to=self._waiting)
 
     def defer_ack(self, request: Any) -> bool:
         """Whether ``request``'s acknowledgement waits for the next flush (its claim was
@@ -158,18 +176,55 @@ class BatchedDispatch:
                         exc)
 
     def forget(self, request: Any) -> None:
-        """``request`` was acknowledged or rejected: nothing more to mark for it."""
-        self._claims.pop(request.id, None)
+        """``request`` was acknowledged or rejected: nothing more to mark for it. If its pool
+        never started it (Celery discarded it: revoked, expired), its claim goes back first,
+        then the requests waiting for its key are taken."""
+        claim = self._claims.get(request.id)
+        if claim is None:
+            return
+        with self._lock:
+            never_started = self._unstarted.get(claim[0]) == request.id
+        if never_started:
+            self._give_back([request.id])
+        else:
+            self._claims.pop(request.id, None)
+
+    def _unpark(self, key: str, task_id: str,
+                to: deque[Entry]) -> None:
+        """``task_id`` no longer holds ``key`` unstarted: its waiters move ``to`` the ready
+        queue (their own takes decide) or the waiting one (taken in the next batch)."""
+        with self._lock:
+            if self._unstarted.get(key) != task_id:
+                return
+            del self._unstarted[key]
+            parked = self._parked.pop(key, [])
+        for entry in parked:
+            handed.hand(entry[0].request_dict, self.owner.incarnation, None)
+            to.append(entry)
+        if parked:
+            self._wake.set()
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._write_fd, b"!")
 
     def _mark(self, mark: Started) -> None:
         with self._lock:
+            first = not self._marks
             self._marks[(mark.work_key, mark.epoch)] = mark
+            if first:
+                self._marks_since = time.monotonic()
+        if first:
+            self._wake.set()  # the thread times the mark's wait from now
 
     def _give_back(self, task_ids: Collection[str]) -> None:
+        """Hand back the claims of requests that will not run here; requests waiting for
+        their keys are taken once that is done."""
         claims = [c for c in (self._claims.pop(t, None) for t in task_ids) if c is not None]
         if claims:
             with self._lock:
                 self._release.extend(claims)
+                for key, _epoch in claims:
+                    self._unstarted.pop(key, None)
+                    self._after_release.extend(self._parked.pop(key, []))
             self._wake.set()
 
     def _on_ready(self, *_: Any) -> None:
@@ -210,13 +265,18 @@ class BatchedDispatch:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    def _pause(self) -> float:
+        """How long the thread may sleep: started marks wait for the next batch of takes,
+        :data:`STARTED_DELAY` at most; after a failed flush, the next try waits a second."""
+        if self._flush_failed_at is not None:
+            return 1.0
+        if self._marks:
+            return max(0.0, self._marks_since + STARTED_DELAY - time.monotonic())
+        return 1.0
+
     def _run(self) -> None:
         while not self._stopping:
-            # Started marks wait for the next batch of takes, or 50 ms at most; after a
-            # failed flush, the next try waits a second.
-            pause = 1.0 if self._flush_failed_at is not None else (
-                STARTED_DELAY if self._marks else 1.0)
-            self._wake.wait(timeout=pause)
+            self._wake.wait(timeout=self._pause())
             self._wake.clear()
             # Acknowledgements asked for before this round's first commit: it covers them.
             acks = len(self._unflushed)
@@ -225,7 +285,7 @@ class BatchedDispatch:
                 self._release_claims()
             while self._waiting and not self._stopping:
                 wrote = self._take_batch() or wrote
-            if self._marks and not self._stopping:
+            if self._marks and self._pause() == 0.0 and not self._stopping:
                 wrote = self._take_batch() or wrote
             if acks:
                 self._flush_acks(acks, flushed=wrote)
@@ -256,31 +316,25 @@ class BatchedDispatch:
     def _release_claims(self) -> None:
         with self._lock:
             claims, self._release = self._release, []
+            after, self._after_release = self._after_release, []
         try:
-            self.rt.store.release_unstarted(self.owner, claims)
+            # the broker delivers them again: the sweep waits before it re-publishes them
+            self.rt.store.release_unstarted(self.owner, claims,
+                                            self.rt.config.submit_timeout)
         except Exception as exc:  # the maintainer lets them go when they are not held
             log.warning("could not hand back %d claim(s) taken for dropped requests (%s: %s)",
                         len(claims), type(exc).__name__, exc)
+        self._waiting.extend(after)
 
     def _take_batch(self) -> bool:
         """One statement of takes and marks; whether it took any claim (then it wrote, and
         its commit waited for the WAL flush)."""
-        batch: list[tuple[Any, Execute, int]] = []
+        batch: list[Entry] = []
         while self._waiting and len(batch) < MAX_BATCH:
             batch.append(self._waiting.popleft())
         with self._lock:
             marks, self._marks = list(self._marks.values()), {}
-        takes: list[TakeRequest] = []
-        keys: list[str | None] = []
-        seen: set[str] = set()
-        for request, _execute, _connection in batch:
-            take = self._take_request(request)
-            if take is None or take.work_key in seen:
-                keys.append(None)  # taken by its pool process (a key twice: the first here)
-                continue
-            seen.add(take.work_key)
-            takes.append(take)
-            keys.append(take.work_key)
+        takes, keys, later = self._sort(batch)
         cfg = self.rt.config
         try:
             claims = self.rt.store.take_batch(takes, marks, self.owner, cfg.lease_seconds,
@@ -293,16 +347,61 @@ class BatchedDispatch:
         if claims and killpoints.ARMED:
             killpoints.reached("after_batch_take")
         self.batches += 1
-        for (request, execute, connection), key in zip(batch, keys, strict=True):
+        self._hand_on(batch, keys, claims, later)
+        return bool(claims)
+
+    def _sort(self, batch: list[Entry]) -> tuple[list[TakeRequest], list[str | None],
+                                                 dict[str, list[Entry]]]:
+        """The takes of a batch, and each request's key in it: None, its pool process takes
+        the claim; "", it waits (its key is held unstarted for another request, parked; or
+        it is a later request for a key of this batch, returned by key)."""
+        takes: list[TakeRequest] = []
+        keys: list[str | None] = []
+        later: dict[str, list[Entry]] = {}
+        taken: set[str] = set()
+        for entry in batch:
+            take = self._take_request(entry[0])
+            if take is None:
+                keys.append(None)
+                continue
+            key = take.work_key
+            with self._lock:
+                if key in self._unstarted:
+                    self._parked.setdefault(key, []).append(entry)
+                    keys.append("")
+                    continue
+            if key in taken:
+                later.setdefault(key, []).append(entry)
+                keys.append("")
+                continue
+            taken.add(key)
+            takes.append(take)
+            keys.append(key)
+        return takes, keys, later
+
+    def _hand_on(self, batch: list[Entry], keys: list[str | None],
+                 claims: dict[str, Claim], later: dict[str, list[Entry]]) -> None:
+        """Each request to the ready queue with its claim (or none); the later requests for
+        a key taken here wait for it, the others go on to their own takes."""
+        for entry, key in zip(batch, keys, strict=True):
+            if key == "":
+                continue
+            request = entry[0]
             claim = claims.get(key) if key is not None else None
             handed.hand(request.request_dict, self.owner.incarnation, claim)
-            if claim is not None:
+            if claim is not None and key is not None:
                 self._claims[request.id] = (claim.work_key, claim.epoch)
-            self._ready.append((request, execute, connection))
+                with self._lock:
+                    self._unstarted[key] = request.id
+                    self._parked.setdefault(key, []).extend(later.pop(key, []))
+            self._ready.append(entry)
+        for waiters in later.values():
+            for entry in waiters:
+                handed.hand(entry[0].request_dict, self.owner.incarnation, None)
+                self._ready.append(entry)
         if batch:
             with contextlib.suppress(BlockingIOError):  # a wake is pending already
                 os.write(self._write_fd, b"!")
-        return bool(claims)
 
     def _take_request(self, request: Any) -> TakeRequest | None:
         try:

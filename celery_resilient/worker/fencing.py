@@ -39,6 +39,7 @@ from celery.worker import state as worker_state
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store import liveness
+from celery_resilient.tasks import handed
 from celery_resilient.tasks.task import ResumableTask
 from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.lease import LeaseKeeper
@@ -89,6 +90,7 @@ class Fence:
                       reason, detail, extra={"action": "self_fenced", "reason": reason})
             if self.gate is not None:
                 self.gate.fence(reason)
+            handed.void_all()  # requests waiting for the pool take their own claims
         self.stop_executions()
 
     def release(self, reason: str) -> None:

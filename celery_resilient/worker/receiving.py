@@ -35,7 +35,7 @@ def record_received(rt: Runtime, request: Any) -> None:
     if not isinstance(task, ResumableTask):
         return
     rt.held.add(request.id)
-    if rt.dispatcher is not None and request.eta is None:
+    if rt.dispatcher is not None and request.eta is None and not task.rate_limit:
         return  # taken (with its message) before it reaches the pool: worker/dispatch.py
     msg = request.message
     try:

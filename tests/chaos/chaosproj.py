@@ -20,7 +20,8 @@ every other line (an effect, a committed checkpoint) is the execution running.
   ``save`` returned); then one step and one ``ledger.once`` effect.
 - ``short``: one effect outside the store.
 - ``steps``: three steps, each with an effect outside the store.
-- ``poison`` (not in the soak's mix): kills its own process every time it runs.
+- ``poison`` (not in the soak's mix): kills its own process every time it runs;
+  ``poison_worker`` kills its whole worker.
 - ``atomic``: a write of its own to the store's database inside ``ledger.atomic()``: the
   table ``<prefix>chaos_applied`` (no unique key, so a double write would show).
 """
@@ -141,13 +142,25 @@ def create_app(env: Mapping[str, str]) -> Celery:
         effects.record("end", key=key, epoch=epoch)
         return "ok"
 
+    _poisons(app, effects)
+    return app
+
+
+def _poisons(app: Celery, effects: EffectLog) -> None:
+    """Messages that kill what runs them, every time (not in the soak's mix)."""
+
     @app.task(base=ResumableTask, bind=True, shared=False, name="chaos.poison")
     def poison(self: ResumableTask) -> None:
-        """A poison message: SIGKILLs the process running it, every time."""
+        """SIGKILLs the pool process running it."""
         effects.record("poison", key=self.work_key, epoch=self.fencing_token)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    return app
+    @app.task(base=ResumableTask, bind=True, shared=False, name="chaos.poison_worker")
+    def poison_worker(self: ResumableTask, delay: float) -> None:
+        """SIGKILLs its whole worker (process group), ``delay`` s in."""
+        effects.record("poison_worker", key=self.work_key, epoch=self.fencing_token)
+        time.sleep(delay)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 app = create_app(os.environ)

@@ -150,6 +150,12 @@ def _body_outcomes(task: Define, ran: Ran) -> None:
             raise self.retry(args=(f"{label}-v2",), countdown=0.2)
         return label
 
+    @task("labelled", base=KeyedByLabel)
+    def labelled(self: ResumableTask, label: str, n: int) -> int:
+        """One unit of work per label, whatever the task id (a logical work key)."""
+        ran(self, key=self.work_key)
+        return n
+
     @task("replacer")
     def replacer(self: ResumableTask, n: int) -> None:
         """Replaces itself with ``succeed(n)``, which runs under this task id."""

@@ -398,6 +398,35 @@ def test_revoke_prefetched_never_runs(make_lab: Callable[..., Lab], tmp_path: Pa
     assert lab.work_state(sleeper) == "done"
 
 
+def test_a_revoked_prefetched_request_leaves_its_work_key_to_the_next(
+        make_lab: Callable[..., Lab], tmp_path: Path) -> None:
+    """Pairs of requests for one logical work key each (``derive_work_key``, the same call
+    twice) wait behind a busy process, and the first of each pair is revoked: Celery
+    discards it, and the second runs, as on plain Celery (whichever starts first runs; a
+    revoked one never starts). Ten pairs, since each is a race between the discard and the
+    second request's take."""
+    pairs = 10
+    lab = make_lab(worker_prefetch_multiplier=2 * pairs + 5)
+    worker = lab.worker()
+    gate = tmp_path / "gate"
+    sleeper = _busy_with_sleeper(lab, gate)
+    labels = [f"order-{uuid.uuid4().hex[:8]}" for _ in range(pairs)]
+    sent = [(lab.send("labelled", label, 7), lab.send("labelled", label, 7))
+            for label in labels]
+    wait_for(lambda: all(f"labelled[{second}] received" in worker.process.logs()
+                         for _, second in sent), 30, "every request to be prefetched")
+    lab.client.control.revoke([first for first, _ in sent])
+    wait_for(lambda: all(lab.store.is_revoked(first) for first, _ in sent), 10,
+             "the revokes to reach the store")
+    gate.touch()
+    for label, (first, second) in zip(labels, sent, strict=True):
+        lab.settle_key(f"label:{label}", second, worker, "done", "SUCCESS")
+        assert lab.meta(second)["result"] == 7
+        assert (lab.runs(first), lab.runs(second)) == (0, 1), label
+        assert lab.async_state(first) == "REVOKED"
+    assert lab.work_state(sleeper) == "done"
+
+
 @BROKERS
 def test_revoke_prefetched_then_sigkill_and_restart_never_runs(
         make_lab: Callable[..., Lab], broker: str, tmp_path: Path) -> None:

@@ -102,6 +102,30 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_a_message_that_kills_its_whole_worker_is_parked_dead(
+        make_env: Callable[..., Env], redis_url: str, effect_log: EffectLog) -> None:
+    """A body that SIGKILLs its whole worker (main process included) 0.3 s in, every time:
+    each death counts (the claim was marked started well before), and after
+    ``resilient_max_attempts`` the work is parked instead of killing the worker for ever."""
+    env = make_env(redis_url)
+    env.store.migrate()
+    env.extra = {"resilient_max_attempts": 3}
+    worker = env.worker()
+    key = env.send("poison_worker", 0.3, task_id="poison-worker-1")
+    for death in range(3):
+        wait_for(lambda: worker.process.status == "exited" or env.state(key) == "dead", 60,
+                 f"death {death + 1} of the worker")
+        if env.state(key) == "dead":
+            break
+        worker.restart()
+    wait_for(lambda: env.state(key) == "dead", 60, "the work to be parked dead")
+    row = env.store.get_work(key)
+    assert row is not None and row.deaths == 3, row
+    runs = [e for e in effect_log.entries() if e["effect"] == "poison_worker"]
+    assert len(runs) == 3, f"ran {len(runs)} times, expected max_attempts=3: {runs}"
+    assert worker.process.status == "running", "the parked message still killed the worker"
+
+
 @pytest.mark.parametrize("problem", ["unreachable", "schema-missing", "bad-driver"])
 def test_worker_with_a_bad_store_fails_at_startup_with_a_clear_error(
         make_env: Callable[..., Env], redis_url: str, pg_url: str, problem: str) -> None:

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
+import pytest
 from celery.app.task import Context
 
 from celery_resilient.store.sql import Claim, Resume
 from celery_resilient.tasks import handed
 
 INC = "incarnation-a"
+
+
+@pytest.fixture(autouse=True)
+def lease_renewed() -> Iterator[None]:
+    """As in a worker whose lease keeper just renewed its lease."""
+    handed.lease_good_until(time.monotonic() + 60)
+    yield
+    handed.lease_good_until(0.0)
 
 
 def request_with(claim: Claim | None, incarnation: str = INC) -> Context:
@@ -55,3 +67,11 @@ def test_no_claim_and_malformed_values_are_not_claims() -> None:
     assert handed.received(request_with(None), INC, "k") is None
     for value in ("x", [INC, "k", 1], {"epoch": 1}, None):
         assert handed.received(Context({"id": "t1", handed.FIELD: value}), INC, "k") is None
+
+
+def test_a_claim_is_refused_once_the_lease_may_have_lapsed() -> None:
+    """A worker frozen past its lease (or no longer renewing it) may have lost every claim it
+    handed: the pool process takes its own instead."""
+    request = request_with(Claim("k", 7, 1, 0, Resume(None)))
+    handed.lease_good_until(time.monotonic() - 0.001)
+    assert handed.received(request, INC, "k") is None
