@@ -198,6 +198,8 @@ class TakeOutcome:
     claim: Claim | None = None
     result_json: str | None = None
     reason: str = ""
+    #: ``held``: the incarnation holding it, when it is another worker's.
+    held_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -577,14 +579,26 @@ class Store:
                                    max_attempts, retries, supersedes)
         if fast is not None:
             return fast
+        proved = False
         for _ in range(3):
             try:
                 with self.begin() as conn:
-                    return self._take(conn, work_key, task_name, task_id, args_digest, owner,
-                                      lease_seconds, max_attempts, is_live, supersedes,
-                                      message_if_new, retries)
+                    outcome = self._take(conn, work_key, task_name, task_id, args_digest,
+                                         owner, lease_seconds, max_attempts, is_live,
+                                         supersedes, message_if_new, retries)
             except IntegrityError:
                 continue  # a concurrent first insert of the same key: read it again
+            if outcome.held_by is None or proved or self.dialect.is_sqlite:
+                return outcome
+            # Held by another worker whose lease still runs: it may have just died (a
+            # broker such as RabbitMQ redelivers its messages at once, before any sweep
+            # has judged it). Its liveness session says so in milliseconds.
+            proved = True
+            if self.prove_dead(outcome.held_by) != PROVEN_DEAD:
+                return outcome
+            log.info("incarnation %s proven dead by its ended session: work %s taken over",
+                     outcome.held_by, work_key,
+                     extra={"action": "proven_dead", "work_key": work_key})
         raise StoreUnavailable(f"could not claim work {work_key!r} ({w.name} kept changing)")
 
     def _take(
@@ -664,8 +678,10 @@ class Store:
         died = False
         if row.state == RUNNING:
             if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
+                other = row.incarnation if row.incarnation != owner.incarnation else None
                 return TakeOutcome(
-                    "held", reason=f"running on {row.owner_node} (epoch {row.epoch})")
+                    "held", reason=f"running on {row.owner_node} (epoch {row.epoch})",
+                    held_by=other)
             # A copy re-sent by the execution itself (store outage, retry) replaces it. A
             # claim taken by a main process that died before its pool was seen to start it
             # (store/batched_takes.py) did not die running: no death.

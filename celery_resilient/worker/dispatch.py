@@ -82,13 +82,15 @@ class BatchedDispatch:
         self._flushed: deque[tuple[Any, int]] = deque()
         self._flush_failed_at: float | None = None
         self._defers = not rt.store.dialect.is_sqlite
-        self._claims: dict[str, tuple[str, int]] = {}  # task id -> (work key, epoch) handed
+        #: The (work key, epoch) handed with each request, by the request itself: copies of
+        #: one message (a requeue, a re-publish) share a task id but not a claim.
+        self._claims: dict[Any, tuple[str, int]] = {}
         #: Work keys of claims handed and not yet started, and the task id holding each;
         #: other requests for such a key wait (``_parked``) until that request started or
         #: ended without starting, as if they had both gone to the pool (whichever starts
         #: first runs); handed on earlier, they would find the claim taken for a request
         #: that might never run (a revoked one) and be acknowledged as copies.
-        self._unstarted: dict[str, str] = {}
+        self._unstarted: dict[str, Any] = {}
         self._parked: dict[str, list[Entry]] = {}
         self._after_release: list[Entry] = []
         self._lock = threading.Lock()
@@ -128,7 +130,7 @@ class BatchedDispatch:
         self._unflushed.clear()  # their delivery tags died with the connection
         self._flushed.clear()
         if known is not None:
-            gone = [tid for tid in list(self._claims) if tid not in known]
+            gone = [r for r in list(self._claims) if r.id not in known]
             self._give_back(gone)
 
     def accepts(self) -> bool:
@@ -143,23 +145,23 @@ class BatchedDispatch:
     def started(self, request: Any, pid: int) -> None:
         """The pool accepted ``request`` (its process ``pid``): mark its claim started;
         requests waiting for its key go on (their own takes find it running here)."""
-        claim = self._claims.get(request.id)
+        claim = self._claims.get(request)
         if claim is not None:
             self._mark(Started(claim[0], claim[1], pid))
-            self._unpark(claim[0], request.id, to=self._ready)
+            self._unpark(claim[0], request, to=self._ready)
 
     def lost(self, request: Any) -> None:
         """The pool process running ``request`` died: its claim loses its owner now, so the
         next take counts a death (whether or not it was marked started yet)."""
-        claim = self._claims.pop(request.id, None)
+        claim = self._claims.pop(request, None)
         if claim is not None:
             self._mark(Started(claim[0], claim[1], None))
-            self._unpark(claim[0], request.id, to=self._waiting)
+            self._unpark(claim[0], request, to=self._waiting)
 
     def defer_ack(self, request: Any) -> bool:
         """Whether ``request``'s acknowledgement waits for the next flush (its claim was
         handed: its finish did not wait for one); the event loop acknowledges it then."""
-        if not self._defers or request.id not in self._claims:
+        if not self._defers or request not in self._claims:
             return False
         if self._stopping or self._hub is None:
             self._flush_inline()  # no thread to wait for: flush here, then acknowledge
@@ -179,22 +181,21 @@ class BatchedDispatch:
         """``request`` was acknowledged or rejected: nothing more to mark for it. If its pool
         never started it (Celery discarded it: revoked, expired), its claim goes back first,
         then the requests waiting for its key are taken."""
-        claim = self._claims.get(request.id)
+        claim = self._claims.get(request)
         if claim is None:
             return
         with self._lock:
-            never_started = self._unstarted.get(claim[0]) == request.id
+            never_started = self._unstarted.get(claim[0]) is request
         if never_started:
-            self._give_back([request.id])
+            self._give_back([request])
         else:
-            self._claims.pop(request.id, None)
+            self._claims.pop(request, None)
 
-    def _unpark(self, key: str, task_id: str,
-                to: deque[Entry]) -> None:
-        """``task_id`` no longer holds ``key`` unstarted: its waiters move ``to`` the ready
+    def _unpark(self, key: str, holder: Any, to: deque[Entry]) -> None:
+        """``holder`` no longer holds ``key`` unstarted: its waiters move ``to`` the ready
         queue (their own takes decide) or the waiting one (taken in the next batch)."""
         with self._lock:
-            if self._unstarted.get(key) != task_id:
+            if self._unstarted.get(key) is not holder:
                 return
             del self._unstarted[key]
             parked = self._parked.pop(key, [])
@@ -215,10 +216,10 @@ class BatchedDispatch:
         if first:
             self._wake.set()  # the thread times the mark's wait from now
 
-    def _give_back(self, task_ids: Collection[str]) -> None:
+    def _give_back(self, requests: Collection[Any]) -> None:
         """Hand back the claims of requests that will not run here; requests waiting for
         their keys are taken once that is done."""
-        claims = [c for c in (self._claims.pop(t, None) for t in task_ids) if c is not None]
+        claims = [c for c in (self._claims.pop(r, None) for r in requests) if c is not None]
         if claims:
             with self._lock:
                 self._release.extend(claims)
@@ -239,7 +240,7 @@ class BatchedDispatch:
             request, execute, connection = self._ready.popleft()
             if connection != self._connection or self._stopping:
                 # its connection is gone (the broker delivers it again), or the worker stops
-                self._give_back([request.id])
+                self._give_back([request])
                 continue
             try:
                 execute(request)
@@ -390,9 +391,9 @@ class BatchedDispatch:
             claim = claims.get(key) if key is not None else None
             handed.hand(request.request_dict, self.owner.incarnation, claim)
             if claim is not None and key is not None:
-                self._claims[request.id] = (claim.work_key, claim.epoch)
+                self._claims[request] = (claim.work_key, claim.epoch)
                 with self._lock:
-                    self._unstarted[key] = request.id
+                    self._unstarted[key] = request
                     self._parked.setdefault(key, []).extend(later.pop(key, []))
             self._ready.append(entry)
         for waiters in later.values():

@@ -53,6 +53,10 @@ def _incarnation(worker: LocalWorker) -> str:
     return str(found[-1])
 
 
+_RECEIVED_WORK = re.compile(r"Task fetchkill\.work\[([^\]]+)\] received")
+_ENDED = re.compile(r"Task fetchkill\.work\[([^\]]+)\] (?:succeeded|ignored|raised|retry)")
+
+
 def _ready_at(worker: LocalWorker, log_no: int) -> float:
     text = (worker.process.log_dir / f"{worker.process.name}.{log_no}.log").read_text()
     match = _READY.search(text)
@@ -93,21 +97,22 @@ class Campaign:
         at = time.time()  # the signal, not the reaping of the group that follows it
         proc.kill("SIGKILL")
         kill = Kill(worker, at, pids, proc.starts + 1)
-        kill.held = self._held(incarnation)
+        kill.held = self._held(incarnation, worker, proc.starts)
         self.kills.append(kill)
         proc.start(wait=False)  # at once, under the same node name
 
-    def _held(self, incarnation: str) -> set[str]:
+    def _held(self, incarnation: str, worker: LocalWorker, log_no: int) -> set[str]:
         """Task ids the dead worker held and had not finished."""
         if self.redis is not None:
             tags = [t.decode() for t in self.redis.smembers(keys.holding(incarnation))]
             entries = self.redis.hmget("unacked", tags) if tags else []
             ids = {json.loads(e)[0]["headers"]["id"] for e in entries if e}
-        else:  # RabbitMQ requeues them itself; the store names those it had recorded
-            w = self.project.store.t.work
-            with self.project.store.engine.connect() as conn:
-                ids = set(conn.execute(w.select().with_only_columns(w.c.task_id).where(
-                    w.c.incarnation == incarnation)).scalars())
+        else:
+            # RabbitMQ requeues them itself, at once, and a copy taken elsewhere moves the
+            # claim in milliseconds (the dead worker's session proves it gone): its own log
+            # of that start names the resumable tasks it received and had not ended.
+            log = (worker.process.log_dir / f"{worker.process.name}.{log_no}.log").read_text()
+            ids = set(_RECEIVED_WORK.findall(log)) - set(_ENDED.findall(log))
         return {i for i in ids if not self._finished(i)}
 
     def _finished(self, task_id: str) -> bool:

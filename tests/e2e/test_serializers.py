@@ -149,11 +149,13 @@ def test_take_before_receipt_is_republished_after_a_kill(project: Project,
                                                          effect_log: EffectLog,
                                                          labs: list[Lab],
                                                          serializer: str) -> None:
-    """No receipt ever lands: the take's call form keeps the arguments with the task's
-    serializer, and the sweeper re-publishes it with that serializer. On kombu's own fetch,
-    where only the store can bring the message back (Redis would give it back only after its
-    one-hour visibility timeout; the reliable fetch's holding would give it back first)."""
-    project.extra = {"resilient_reliable_fetch": False}
+    """No receipt ever lands: the pool process's take keeps the call form, the arguments
+    with the task's serializer, and the sweeper re-publishes it with that serializer. On
+    kombu's own fetch, where only the store can bring the message back (Redis would give it
+    back only after its one-hour visibility timeout; the reliable fetch's holding would give
+    it back first), and without the batched takes (their take records the delivered
+    message itself, as a receipt would: the other tests of this module)."""
+    project.extra = {"resilient_reliable_fetch": False, "resilient_batched_takes": False}
     lab = _lab(labs, project, effect_log, serializer, RESILIENT_DROP_RECEIPTS="1")
     worker = lab.worker()
     key, result = lab.send_crunch()
@@ -198,6 +200,11 @@ def test_durable_submit_keeps_pickle_arguments(project: Project, effect_log: Eff
     assert effect_log.count(f"charge:{key}") == 1
 
 
+def _meta_if_failed(lab: Lab, task_id: str) -> dict[str, Any] | None:
+    meta: dict[str, Any] = lab.client.backend.get_task_meta(task_id, cache=False)
+    return meta if meta["status"] == "FAILURE" else None
+
+
 @pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
 @pytest.mark.parametrize("stored", ["none", "pickle_in_a_json_app"])
 def test_unrecoverable_orphan_ends_dead_once(project: Project, effect_log: EffectLog,
@@ -230,8 +237,10 @@ def test_unrecoverable_orphan_ends_dead_once(project: Project, effect_log: Effec
         assert "no message is stored" in row.error
     else:
         assert "application/x-python-serialize" in row.error and "accept_content" in row.error
-    meta = lab.client.backend.get_task_meta(key, cache=False)
-    assert meta["status"] == "FAILURE" and "WorkDead" in repr(meta["result"])
+    # The store ends it first, the result backend is told next (worker/recovery.py): wait for
+    # that write instead of racing it (a busy machine read PENDING in between).
+    meta = wait_for(lambda: _meta_if_failed(lab, key), 10, "the caller to be told FAILURE")
+    assert "WorkDead" in repr(meta["result"])
 
     logs_at_end = worker.process.logs()
     assert logs_at_end.count(f"orphan {key} cannot be re-published") == 1

@@ -14,6 +14,7 @@ from sqlalchemy import update
 
 from celery_resilient.core import liveness
 from celery_resilient.store import liveness as session_liveness
+from celery_resilient.store.batched_takes import TakeRequest
 from celery_resilient.store.sql import (
     ENDED_SUCCESSOR,
     PROVEN_DEAD,
@@ -22,7 +23,7 @@ from celery_resilient.store.sql import (
     Store,
 )
 
-from .helpers import owner
+from .helpers import owner, take
 
 HOLDER = """
 import sys, time
@@ -147,3 +148,24 @@ def test_the_holders_session_is_its_own_connection(pg_url: str, table_prefix: st
             lock.ping()
     finally:
         lock.dispose()
+
+
+def test_a_take_held_by_a_worker_whose_session_ended_takes_over_at_once(
+        pg_store: Store) -> None:
+    """A broker such as RabbitMQ redelivers a dead worker's messages at once, before any
+    sweep judged it: the take that meets its claim (still within its lease) asks its
+    session, and takes the work over when the session is gone; while it lives, it is held."""
+    gone, me = owner("w@gone"), owner("w@here")
+    for who in (gone, me):
+        pg_store.register(who, liveness.current(), 30)
+    holder = _hold(pg_store, gone.incarnation)
+    pg_store.take_batch([TakeRequest("k", "proj.task", "tid-k", 0, None, None, "{}")], [],
+                        gone, 30.0, 5)  # taken by its main process, never started
+    try:
+        outcome = take(pg_store, "k", me, task_id="tid-k")
+        assert (outcome.action, outcome.held_by) == ("held", gone.incarnation)
+    finally:
+        _kill(holder)
+    outcome = take(pg_store, "k", me, task_id="tid-k")
+    assert outcome.action == "run" and outcome.claim is not None
+    assert (outcome.claim.epoch, outcome.claim.deaths) == (2, 0), "unstarted: no death"
