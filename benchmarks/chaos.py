@@ -516,7 +516,10 @@ class Chaos:
             log(f"deploy w{i}: ran {took}s after SIGTERM; SIGUSR1 (Celery logs every thread's "
                 "stack), then SIGKILL")
             before = len(worker.process.logs())
-            for pid in [worker.process.pid or 0, *worker.process.children()]:
+            # The celery main process, not a wrapper (unshare, ip netns exec): a wrapper
+            # dies of SIGUSR1, and the group's SIGKILL below skips a process whose wrapper
+            # has exited, which would leave the worker running after the soak.
+            for pid in [worker.process.main_pid or 0, *worker.process.children()]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1) if pid else None
             time.sleep(2)  # the dumps reach the log; nothing to wait on but the clock

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: services, a virtualenv of its own, lint, types, tests.
-# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x; add -n 3 to run them in
+# parallel processes, as the full run does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,16 +23,86 @@ echo "== pytest"
 if [ $# -gt 0 ]; then
   exec "$VENV/bin/python" -m pytest "$@"
 fi
-# Celery's own integration suite (tests/celery_compat) waits far more than it computes (about
-# 20 minutes, little CPU, on Redis servers of its own): it runs beside the rest, niced.
+
+# The full run. Most tests wait on real worker processes (observation windows, deadlines),
+# not on the CPU, so three phases overlap:
+#  - parallel: everything but what follows, in $RUNNERS processes (pytest-xdist), each with a
+#    Redis database and a RabbitMQ virtual host of its own (tests/conftest.py);
+#  - alone: the tests marked `alone` (timing bounds a busy machine overruns), one at a time,
+#    after the parallel phase;
+#  - celery_compat: Celery's own integration suite, which waits far more than it computes, on
+#    Redis servers of its own, beside both, niced.
+# Each phase is bounded: past its limit it is interrupted (SIGINT to the phase's whole process
+# group: pytest prints where it stood) and fails the run, instead of running into CI's own time
+# limit with nothing said. A single hung test fails sooner, at its own timeout (pytest-timeout:
+# 240 s unless marked), and a test still running 7 minutes after it started dumps every
+# thread's stack (faulthandler_timeout), a teardown that hangs after a timeout included.
+# The tests' temporary directories (worker logs, effect logs) stay in .pytest-tmp/<phase>
+# until the next run, where other pytest runs on the machine do not rotate them away.
+RUNNERS=${RESILIENT_TEST_RUNNERS:-3}
+PYTEST=("$VENV/bin/python" -m pytest -o faulthandler_timeout=420)
+TMP=$PWD/.pytest-tmp
+mkdir -p "$TMP"
+
+minutes() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+
+limited() {  # LIMIT COMMAND...: start it in the background, in a process group of its own
+  timeout --signal=INT --kill-after=60 "$@" &
+}
+
+# timeout's process groups do not get the terminal's Ctrl-C: pass it on, and start no more.
+running=() interrupted=""
+trap 'interrupted=1; kill -INT "${running[@]}" 2>/dev/null || true' INT TERM
+
+finish() {  # PID NAME LIMIT: wait for a limited command; its status, said aloud if it hung
+  local pid=$1 name=$2 limit=$3 status=0
+  while :; do
+    status=0
+    wait "$pid" || status=$?
+    kill -0 "$pid" 2>/dev/null || break  # (wait returns early when a signal is trapped)
+  done
+  if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "== $name: STOPPED after $limit: a hang, see its output; processes left:"
+    ps -eo pid,pgid,etimes,args | grep -E "[c]elery|[p]ytest|[r]edis-server|[p]ostgres -D" | cut -c1-200 || true
+  fi
+  return "$status"
+}
+
 compat_log=$(mktemp)
-nice -n 10 "$VENV/bin/python" -m pytest tests/celery_compat >"$compat_log" 2>&1 &
+compat_start=$(date +%s)
+nice -n 10 timeout --signal=INT --kill-after=60 35m "$VENV/bin/python" -m pytest \
+  --basetemp="$TMP/compat" tests/celery_compat >"$compat_log" 2>&1 &
 compat=$!
+running+=("$compat")
+
+start=$SECONDS
+echo "== pytest, $RUNNERS processes: all but the tests marked alone and tests/celery_compat"
+limited 25m "${PYTEST[@]}" -n "$RUNNERS" --dist loadgroup --basetemp="$TMP/parallel" \
+  --ignore=tests/celery_compat -m "not alone"
+running+=($!)
 status=0
-"$VENV/bin/python" -m pytest --ignore=tests/celery_compat || status=$?
+finish $! "pytest (parallel)" 25m || status=$?
+parallel="$(minutes $((SECONDS - start))), status $status"
+
+start=$SECONDS
+alone_status=0
+if [ -z "$interrupted" ]; then
+  echo "== pytest, the tests marked alone, one at a time"
+  limited 10m "${PYTEST[@]}" --basetemp="$TMP/alone" --ignore=tests/celery_compat -m alone
+  running+=($!)
+  finish $! "pytest (alone)" 10m || alone_status=$?
+  if [ "$alone_status" -eq 5 ]; then alone_status=0; fi  # 5: no test is marked alone
+fi
+alone="$(minutes $((SECONDS - start))), status $alone_status"
+
 compat_status=0
-wait "$compat" || compat_status=$?
+finish "$compat" "pytest tests/celery_compat" 35m >>"$compat_log" || compat_status=$?
+compat_took=$(minutes $(($(stat -c %Y "$compat_log") - compat_start)))
 echo "== pytest tests/celery_compat (Celery's integration suite, run beside the rest)"
 cat "$compat_log"
-if [ "$status" -ne 0 ]; then exit "$status"; fi
-exit "$compat_status"
+echo "== pytest times: parallel $parallel; alone $alone; celery_compat $compat_took," \
+  "status $compat_status (beside them)"
+if [ -n "$interrupted" ]; then exit 130; fi
+for s in "$status" "$alone_status" "$compat_status"; do
+  if [ "$s" -ne 0 ]; then exit "$s"; fi
+done

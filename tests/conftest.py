@@ -7,8 +7,10 @@ not skipped.
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -20,6 +22,50 @@ pytest_plugins = ["celery_resilient.testing.plugin"]
 PG_URL = os.environ.get("RESILIENT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("RESILIENT_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 AMQP_URL = os.environ.get("RESILIENT_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+#: pytest-xdist's name for this process when the suite runs in parallel (``-n 3``: gw0, gw1,
+#: gw2); empty in a plain run.
+RUNNER = os.environ.get("PYTEST_XDIST_WORKER", "")
+#: The Redis database of each parallel runner, gw0 first; each also gets a RabbitMQ virtual
+#: host of its own, ``resilient-gw0``... Queue names and table prefixes are per test, but some
+#: broker state is per database or virtual host: kombu's ``unacked`` hash (a worker with a
+#: short visibility timeout restores any test's messages in it), the reliable fetch's
+#: ``resilient.holders``, remote control (``revoke`` reaches every worker) and worker names
+#: (tests name theirs alike: on RabbitMQ a second ``worker@host`` dies at start, its pidbox
+#: queue locked by the first). Not 9 (a run without -n: one beside a parallel run stays
+#: apart), 0 (the demo's) or 10-14 (owned by a test or benchmark: test_claims 11, canvas
+#: chaos 14; the beat tests' second view, 10, is keyed by a prefix of each test's own).
+RUNNER_REDIS_DBS = (1, 2, 3, 4, 5, 6, 7, 8, 15)
+
+
+def _per_runner(runner: str) -> None:
+    """Give this parallel runner a Redis database and a RabbitMQ virtual host of its own
+    (the worker processes it starts inherit them through the environment)."""
+    global REDIS_URL, AMQP_URL
+    index = int(runner.removeprefix("gw"))
+    if index >= len(RUNNER_REDIS_DBS):
+        raise pytest.UsageError(f"at most {len(RUNNER_REDIS_DBS)} parallel runners (-n): "
+                                f"each needs a Redis database of its own")
+    REDIS_URL = urlsplit(REDIS_URL)._replace(path=f"/{RUNNER_REDIS_DBS[index]}").geturl()
+    vhost = f"resilient-{runner}"
+    amqp = urlsplit(AMQP_URL)
+    AMQP_URL = amqp._replace(path=f"/{vhost}").geturl()
+    user = amqp.username or "guest"
+    try:
+        for argv in (["add_vhost", vhost], ["set_permissions", "-p", vhost, user, ".*", ".*",
+                                            ".*"]):
+            subprocess.run(["rabbitmqctl", "-q", *argv], check=True, capture_output=True,
+                           timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise pytest.UsageError(
+            f"parallel runner {runner} needs the RabbitMQ virtual host {vhost}: "
+            f"`rabbitmqctl add_vhost {vhost}` failed ({exc!r})") from exc
+    os.environ["RESILIENT_TEST_REDIS_URL"] = REDIS_URL  # Django's settings, subprocesses
+    os.environ["RESILIENT_TEST_AMQP_URL"] = AMQP_URL
+
+
+if RUNNER:
+    _per_runner(RUNNER)
 
 
 @pytest.fixture

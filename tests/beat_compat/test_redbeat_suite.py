@@ -47,6 +47,9 @@ def redbeat_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tree
 
 
+# Alone: some of RedBeat's tests time a tick to 200 ms (test_due_next_just_ran: the next
+# slot is between 0.8 and 1 s away), which a busy machine overruns.
+@pytest.mark.alone
 def test_redbeat_suite_passes_against_resilient_scheduler(redbeat_tree: Path) -> None:
     report = redbeat_tree / "report.xml"
     run = subprocess.run(

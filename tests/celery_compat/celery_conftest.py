@@ -16,6 +16,17 @@ import celery.contrib.testing.app as celery_testing_app
 import pytest
 
 RESILIENT = os.environ.get("RESILIENT_CELERY_SUITE", "resilient") == "resilient"
+#: ``i/n``: this run takes the i-th of every n tests, in collection order (the same for both
+#: modes); unset, all of them. test_celery_suite.py runs the n shards at once.
+SHARD = os.environ.get("RESILIENT_CELERY_SHARD", "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not SHARD:
+        return
+    index, count = (int(n) for n in SHARD.split("/"))
+    config.hook.pytest_deselected(items=[t for n, t in enumerate(items) if n % count != index])
+    items[:] = [t for n, t in enumerate(items) if n % count == index]
 
 
 @pytest.fixture(scope="session")

@@ -12,15 +12,22 @@ broker (with the library's reliable fetch) and the result backend, with their de
 Plain Celery runs the same tests at the same time as the baseline. Tests that fail on purpose
 are :data:`BY_DESIGN`, each with its reason in docs/guarantees.md; every other test that
 passes on plain Celery must pass. A failed download fails this test.
+
+The suite waits far more than it computes (its longest tests wait out timeouts of their own),
+so each mode runs in :data:`SHARDS` parts at once, each on a Redis server, a store and a copy
+of the tree of its own: about 12 minutes instead of 21.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -49,6 +56,12 @@ BY_DESIGN = {
 }
 #: What the suite needs beyond this package's own dependencies (its requirements/test.txt).
 SUITE_NEEDS = ("pydantic", "pytest_rerunfailures", "pytest_order", "pytest_timeout")
+#: Parts of each mode's run, at once: part i runs the i-th of every SHARDS tests
+#: (``RESILIENT_CELERY_SHARD`` in celery_conftest.py); the same parts in both modes.
+SHARDS = 3
+#: How long the parts of the first run may take (about 12 minutes here), and the re-run
+#: alone of what failed with ResumableTask only.
+SUITE_SECONDS, AGAIN_SECONDS = 1500, 600
 
 
 @pytest.fixture(scope="module")
@@ -61,32 +74,45 @@ def celery_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_suite(tree: Path, mode: str, redis: ThrowawayRedis, prefix: str,
-                tests: Sequence[str] = (),
-                run_name: str = "") -> tuple[subprocess.Popen[str], Path]:
+                tests: Sequence[str] = (), run_name: str = "",
+                shard: str = "") -> tuple[subprocess.Popen[str], Path]:
     """Start Celery's suite in ``mode`` (resilient, plain) on a Redis server of its own;
-    ``tests``: only these node ids."""
+    ``tests``: only these node ids; ``shard``: ``i/n``, that part of them."""
     (tree / "integration-tests-config.json").write_text(json.dumps(
         {"resilient_store_url": PG_URL, "resilient_table_prefix": prefix}))
     report = tree / f"report-{mode}{run_name}.xml"
+    output = report.with_suffix(".out")  # a file, not a pipe: parts are read one by one
     base = f"redis://127.0.0.1:{redis.port}"
     bin_dir = str(Path(sys.executable).parent)  # its worker tests run the `celery` command
     env = {**os.environ, "RESILIENT_CELERY_SUITE": mode, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "RESILIENT_CELERY_SHARD": shard,
            "TEST_BROKER": f"{base}/3", "TEST_BACKEND": f"{base}/4",
            "REDIS_HOST": "127.0.0.1", "REDIS_PORT": str(redis.port),
            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    run = subprocess.Popen(
-        [sys.executable, "-m", "pytest",
-         *(tests or [f"t/integration/{m}.py" for m in MODULES]), "-q",
-         "-p", "no:cacheprovider", "-p", "celery.contrib.pytest", "-p", "pytest_timeout",
-         "-p", "pytest_order", "-p", "no:rerunfailures", "-o", "addopts=",
-         f"--junitxml={report}", "-o", "junit_family=xunit2"],
-        cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with output.open("w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "pytest",
+             *(tests or [f"t/integration/{m}.py" for m in MODULES]), "-q",
+             "-p", "no:cacheprovider", "-p", "celery.contrib.pytest", "-p", "pytest_timeout",
+             "-p", "pytest_order", "-p", "no:rerunfailures", "-o", "addopts=",
+             f"--junitxml={report}", "-o", "junit_family=xunit2"],
+            cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)  # its own process group: killed whole past its deadline
     return run, report
 
 
-def outcome(run: subprocess.Popen[str], report: Path) -> tuple[set[str], list[str], str]:
-    """The failed and passed test names of a finished run, and the tail of its output."""
-    out, _ = run.communicate(timeout=2400)
+def outcome(run: subprocess.Popen[str], report: Path,
+            deadline: float) -> tuple[set[str], list[str], str]:
+    """The failed and passed test names of a run finished by ``deadline`` (monotonic), and
+    the tail of its output; a run still going then is killed and fails the test."""
+    try:
+        run.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        stop(run)
+        run.wait()
+        out = report.with_suffix(".out").read_text(errors="replace")
+        pytest.fail(f"Celery's suite ran past its deadline and was killed:\n{out[-8000:]}")
+    out = report.with_suffix(".out").read_text(errors="replace")
     assert report.exists(), f"Celery's suite did not run:\n{out[-8000:]}"
     passed, failed = [], set()
     for case in ET.parse(report).getroot().iter("testcase"):
@@ -97,6 +123,13 @@ def outcome(run: subprocess.Popen[str], report: Path) -> tuple[set[str], list[st
         elif case.find("skipped") is None:
             passed.append(name)
     return failed, passed, out[-8000:]
+
+
+def stop(run: subprocess.Popen[str]) -> None:
+    """SIGKILL whatever is left of a run's process group (the run past its deadline, worker
+    processes its tests started)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(run.pid, signal.SIGKILL)
 
 
 def migrate(prefix: str) -> None:
@@ -120,26 +153,40 @@ def node_id(classname: str, name: str) -> str:
     return f"{classname}::{name}"
 
 
-@pytest.mark.timeout(2700)  # the suite waits on timeouts for about 20 minutes
+@pytest.mark.timeout(SUITE_SECONDS + AGAIN_SECONDS + 300)  # the suite waits on timeouts
 def test_celery_suite_passes_with_resumable_task_as_every_base(
         celery_tree: Path, tmp_path: Path) -> None:
-    """Both modes at once, each on a Redis server and a copy of the tree of its own: plain
-    Celery in the same run is the baseline (what fails there fails for reasons of its own:
-    this machine, test order)."""
-    plain_tree = tmp_path / "plain"
-    shutil.copytree(celery_tree, plain_tree)
-    prefix = f"cs{uuid.uuid4().hex[:8]}_"
-    migrate(prefix)
-    servers = [ThrowawayRedis().start(), ThrowawayRedis().start()]
+    """Both modes at once, each part on a Redis server and a copy of the tree of its own:
+    plain Celery in the same run is the baseline (what fails there fails for reasons of its
+    own: this machine, test order)."""
+    prefixes = [f"cs{uuid.uuid4().hex[:8]}_" for _ in range(SHARDS)]
+    for prefix in prefixes:
+        migrate(prefix)
+    servers = [ThrowawayRedis().start() for _ in range(2 * SHARDS)]
+    runs: list[tuple[subprocess.Popen[str], Path]] = []
     try:
-        ours = start_suite(celery_tree, "resilient", servers[0], prefix)
-        theirs = start_suite(plain_tree, "plain", servers[1], prefix)
-        failed, passed, tail = outcome(*ours)
-        plain_failed, plain_passed, plain_tail = outcome(*theirs)
+        for mode, first_server in (("resilient", 0), ("plain", SHARDS)):
+            for i in range(SHARDS):
+                tree = tmp_path / f"{mode}-{i}"
+                shutil.copytree(celery_tree, tree)
+                runs.append(start_suite(tree, mode, servers[first_server + i], prefixes[i],
+                                        shard=f"{i}/{SHARDS}"))
+        deadline = time.monotonic() + SUITE_SECONDS
+        results = [outcome(*run, deadline) for run in runs]
     finally:
+        for run, _ in runs:
+            stop(run)
         for server in servers:
             server.destroy()
-        drop_prefixed_tables(PG_URL, prefix)
+        for prefix in prefixes:
+            drop_prefixed_tables(PG_URL, prefix)
+    failed = set().union(*(r[0] for r in results[:SHARDS]))
+    passed = [name for r in results[:SHARDS] for name in r[1]]
+    tail = "\n".join(f"-- part {i}:\n{r[2][-4000:]}" for i, r in enumerate(results[:SHARDS]))
+    plain_failed = set().union(*(r[0] for r in results[SHARDS:]))
+    plain_passed = [name for r in results[SHARDS:] for name in r[1]]
+    plain_tail = "\n".join(f"-- part {i}:\n{r[2][-4000:]}"
+                           for i, r in enumerate(results[SHARDS:]))
     assert len(plain_passed) >= 300 and len(plain_failed) <= 12, (
         f"plain Celery's run is no baseline ({len(plain_passed)} passed, "
         f"{sorted(plain_failed)} failed):\n{plain_tail}")
@@ -149,12 +196,14 @@ def test_celery_suite_passes_with_resumable_task_as_every_base(
         # a failure that does not come back when the test runs again alone is such a race;
         # one that does is a failure. The re-run is printed either way.
         server = ThrowawayRedis().start()
+        prefix = prefixes[0]
         migrate(prefix)
+        again_run = start_suite(celery_tree, "resilient", server, prefix,
+                                [NODE_IDS[n] for n in sorted(unexpected)], run_name="-again")
         try:
-            again, _, again_tail = outcome(*start_suite(
-                celery_tree, "resilient", server, prefix,
-                [NODE_IDS[n] for n in sorted(unexpected)], run_name="-again"))
+            again, _, again_tail = outcome(*again_run, time.monotonic() + AGAIN_SECONDS)
         finally:
+            stop(again_run[0])
             server.destroy()
             drop_prefixed_tables(PG_URL, prefix)
         print(f"failed with ResumableTask only, run again alone: {sorted(unexpected)}; "

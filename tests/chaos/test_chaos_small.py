@@ -29,6 +29,7 @@ ARGV = ["--tasks", "300", "--workers", "3", "--kills", "10", "--deploys", "3",
 
 
 @pytest.mark.timeout(330)
+@pytest.mark.xdist_group("netns")  # a network namespace: one at a time (test_partitions.py)
 def test_chaos_small() -> None:
     argv = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), *ARGV]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,

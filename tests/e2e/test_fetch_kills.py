@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import pytest
 import redis
 
 from celery_resilient.broker import keys
@@ -33,6 +34,9 @@ from .conftest import Project
 
 KINDS = ("work", "plain_late", "plain_early")
 RERUN_WITHIN = 5.0
+#: The 5 s bound is the library's latency with a CPU to spare: beside the parallel run (two
+#: cores shared by three more tests' workers) a held task waited 5.2 s behind the backlog.
+pytestmark = pytest.mark.alone
 _INCARNATION = re.compile(r"incarnation=([0-9a-f]{32})")
 _READY = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): INFO/MainProcess\] \S+ ready\.",
                     re.M)

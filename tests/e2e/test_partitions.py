@@ -29,6 +29,9 @@ from .conftest import Project
 
 STORE, BROKER = 0, 1
 LEASE = 30.0  # the library's default
+#: Network namespaces take a random 10.x subnet each: tests that make them run one at a time
+#: (in one process of a parallel run), never two namespaces at once on one subnet.
+pytestmark = pytest.mark.xdist_group("netns")
 
 
 @dataclass
