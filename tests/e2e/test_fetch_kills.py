@@ -101,12 +101,13 @@ class Campaign:
         at = time.time()  # the signal, not the reaping of the group that follows it
         proc.kill("SIGKILL")
         kill = Kill(worker, at, pids, proc.starts + 1)
-        kill.held = self._held(incarnation, worker, proc.starts)
+        kill.held = self._held(incarnation, worker, proc.starts, at)
         self.kills.append(kill)
         proc.start(wait=False)  # at once, under the same node name
 
-    def _held(self, incarnation: str, worker: LocalWorker, log_no: int) -> set[str]:
-        """Task ids the dead worker held and had not finished."""
+    def _held(self, incarnation: str, worker: LocalWorker, log_no: int,
+              at: float) -> set[str]:
+        """Task ids the dead worker held and had not finished at the kill (``at``)."""
         if self.redis is not None:
             tags = [t.decode() for t in self.redis.smembers(keys.holding(incarnation))]
             entries = self.redis.hmget("unacked", tags) if tags else []
@@ -117,7 +118,10 @@ class Campaign:
             # of that start names the resumable tasks it received and had not ended.
             log = (worker.process.log_dir / f"{worker.process.name}.{log_no}.log").read_text()
             ids = set(_RECEIVED_WORK.findall(log)) - set(_ENDED.findall(log))
-        return {i for i in ids if not self._finished(i)}
+        # Unfinished at the kill, not when this reads: on RabbitMQ a copy taken by another
+        # worker can have run and ended by now, and is still a message the kill made it hold.
+        return {i for i in ids
+                if not any(e["ts"] < at for e in self.effects.entries(f"end:{i}"))}
 
     def _finished(self, task_id: str) -> bool:
         if self.sent.get(task_id) == "work":
