@@ -31,7 +31,7 @@ app = Celery("bench", broker=os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6
 app.conf.update(
     task_default_queue=os.environ.get("BENCH_QUEUE", "bench"),
     task_ignore_result=True,
-    worker_prefetch_multiplier=4,
+    worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "4")),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
 )

@@ -61,7 +61,7 @@ class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
         rt = Runtime.of(consumer.app)
         dispatcher = rt.dispatcher
         if isinstance(dispatcher, BatchedDispatch) and consumer.hub is not None:
-            dispatcher.attach(consumer.hub)
+            dispatcher.attach(consumer.hub, consumer)
 
     def stop(self, consumer: Any) -> None:
         rt = Runtime.of(consumer.app)

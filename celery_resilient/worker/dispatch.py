@@ -67,6 +67,9 @@ class BatchedDispatch:
         self.rt = rt
         self.owner = owner
         self._hub: Any = None
+        #: The consumer: its prefetch window (``consumer.qos``, made anew at each connection)
+        #: widens by one for each finished request whose acknowledgement waits for a flush.
+        self._consumer: Any = None
         #: Bumped when the consumer's connection ends: requests of an earlier one are dropped.
         self._connection = 0
         self._waiting: deque[Entry] = deque()
@@ -108,9 +111,11 @@ class BatchedDispatch:
     def start(self) -> None:
         self._thread.start()
 
-    def attach(self, hub: Any) -> None:
-        """The consumer (re)started on ``hub``: taken requests are handed on from there."""
+    def attach(self, hub: Any, consumer: Any = None) -> None:
+        """The ``consumer`` (re)started on ``hub``: taken requests are handed on from
+        there."""
         self._hub = hub
+        self._consumer = consumer
         hub.add_reader(self._read_fd, self._on_ready)
 
     def detach(self, known: Collection[str] | None) -> None:
@@ -122,6 +127,7 @@ class BatchedDispatch:
             with contextlib.suppress(Exception):  # the hub may be closed already
                 self._hub.remove_reader(self._read_fd)
             self._hub = None
+        self._consumer = None
         self._waiting.clear()
         self._ready.clear()
         with self._lock:
@@ -167,8 +173,18 @@ class BatchedDispatch:
             self._flush_inline()  # no thread to wait for: flush here, then acknowledge
             return False
         self._unflushed.append((request, self._connection))
+        # A finished request waiting for its flush holds a prefetch slot but no pool
+        # process: the window widens by one until it is acknowledged, as Celery widens it
+        # for a request waiting for its ETA, so the flush's latency does not starve the pool.
+        self._widen(+1)
         self._wake.set()
         return True
+
+    def _widen(self, by: int) -> None:
+        """Widen (narrow) the consumer's prefetch window; Celery's event loop applies it."""
+        qos = getattr(self._consumer, "qos", None)
+        if qos is not None:
+            (qos.increment_eventually if by > 0 else qos.decrement_eventually)(abs(by))
 
     def _flush_inline(self) -> None:
         try:
@@ -236,6 +252,7 @@ class BatchedDispatch:
             request, connection = self._flushed.popleft()
             if connection == self._connection:
                 request.acknowledge_now()
+                self._widen(-1)
         while self._ready:
             request, execute, connection = self._ready.popleft()
             if connection != self._connection or self._stopping:
