@@ -248,11 +248,7 @@ class BatchedDispatch:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._read_fd, 4096):
                 pass
-        while self._flushed:
-            request, connection = self._flushed.popleft()
-            if connection == self._connection:
-                request.acknowledge_now()
-                self._widen(-1)
+        self._ack_flushed()
         while self._ready:
             request, execute, connection = self._ready.popleft()
             if connection != self._connection or self._stopping:
@@ -263,6 +259,15 @@ class BatchedDispatch:
                 execute(request)
             except Exception:
                 log.exception("could not hand %s to the pool", request.id)
+
+    def _ack_flushed(self) -> None:
+        """Acknowledge the requests whose results a flush made durable (on the event
+        loop's thread: the channel is not thread-safe)."""
+        while self._flushed:
+            request, connection = self._flushed.popleft()
+            if connection == self._connection:
+                request.acknowledge_now()
+                self._widen(-1)
 
     # -- the taking thread --------------------------------------------------------------
 
@@ -279,6 +284,14 @@ class BatchedDispatch:
             self._flush_inline()
             self._flushed.extend(self._unflushed)
             self._unflushed.clear()
+        # The event loop reads the pipe no more: what was flushed is acknowledged here
+        # (Celery stops its steps on the loop's own thread), not left for the broker to
+        # deliver again as a copy of finished work.
+        try:
+            self._ack_flushed()
+        except Exception as exc:  # a connection already closed: the broker delivers them
+            log.warning("could not acknowledge %d flushed result(s) at the stop (%s: %s)",
+                        len(self._flushed) + 1, type(exc).__name__, exc)
         for fd in (self._read_fd, self._write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)

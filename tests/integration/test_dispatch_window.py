@@ -114,3 +114,23 @@ def test_a_lost_connection_leaves_the_next_connections_window_alone(
         hub.run_once()
     assert request.acked == 0, "its delivery tag died with the old connection"
     assert new.qos.value == WINDOW, "only the new connection's own ack narrowed it"
+
+
+def test_a_warm_shutdown_acknowledges_what_waits_for_the_flush(pg_store: Store) -> None:
+    """Celery stops the worker's steps after its event loop ended: results waiting for the
+    flush are flushed and acknowledged by the stop, not left for a redelivery."""
+    d = BatchedDispatch(SimpleNamespace(store=pg_store),  # type: ignore[arg-type]
+                        Owner("window@test", "incarnation", os.getpid()))
+    d.start()
+    hub, consumer = Hub(), _consumer()
+    d.attach(hub, consumer)
+    requests = [FinishedRequest(f"s{i}") for i in range(2)]
+    for r in requests:
+        _handed(d, r)
+        assert d.defer_ack(r)
+    d.stop()  # the loop never ran again
+    assert [r.acked for r in requests] == [1, 1]
+    assert consumer.qos.value == WINDOW
+    late = FinishedRequest("late")
+    _handed(d, late)
+    assert not d.defer_ack(late), "after the stop the caller flushes and acknowledges itself"
