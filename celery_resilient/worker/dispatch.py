@@ -81,8 +81,11 @@ class BatchedDispatch:
         self._release: list[tuple[str, int]] = []
         #: Requests whose acknowledgement waits for a flush, and those flushed, with the
         #: consumer connection they came on.
-        self._unflushed: deque[tuple[Any, int]] = deque()
-        self._flushed: deque[tuple[Any, int]] = deque()
+        self._unflushed: deque[tuple[Any, int, int]] = deque()
+        self._flushed: deque[tuple[Any, int, int]] = deque()
+        #: How many acknowledgements were ever deferred: each waiting one carries its
+        #: number, so a commit covers exactly those asked for before it began.
+        self._deferred = 0
         self._flush_failed_at: float | None = None
         self._defers = not rt.store.dialect.is_sqlite
         #: The (work key, epoch) handed with each request, by the request itself: copies of
@@ -172,7 +175,8 @@ class BatchedDispatch:
         if self._stopping or self._hub is None:
             self._flush_inline()  # no thread to wait for: flush here, then acknowledge
             return False
-        self._unflushed.append((request, self._connection))
+        self._deferred += 1
+        self._unflushed.append((request, self._connection, self._deferred))
         # A finished request waiting for its flush holds a prefetch slot but no pool
         # process: the window widens by one until it is acknowledged, as Celery widens it
         # for a request waiting for its ETA, so the flush's latency does not starve the pool.
@@ -264,7 +268,7 @@ class BatchedDispatch:
         """Acknowledge the requests whose results a flush made durable (on the event
         loop's thread: the channel is not thread-safe)."""
         while self._flushed:
-            request, connection = self._flushed.popleft()
+            request, connection, _ = self._flushed.popleft()
             if connection == self._connection:
                 request.acknowledge_now()
                 self._widen(-1)
@@ -309,38 +313,52 @@ class BatchedDispatch:
         while not self._stopping:
             self._wake.wait(timeout=self._pause())
             self._wake.clear()
-            # Acknowledgements asked for before this round's first commit: it covers them.
-            acks = len(self._unflushed)
-            wrote = False
             if self._release:
                 self._release_claims()
             while self._waiting and not self._stopping:
-                wrote = self._take_batch() or wrote
+                self._take_and_flush()
             if self._marks and self._pause() == 0.0 and not self._stopping:
-                wrote = self._take_batch() or wrote
-            if acks:
-                self._flush_acks(acks, flushed=wrote)
+                self._take_and_flush()
+            if self._unflushed:  # asked for since the last batch that wrote: a bare flush
+                self._flush_acks(self._deferred, flushed=False)
 
-    def _flush_acks(self, count: int, flushed: bool) -> None:
-        """Hand ``count`` waiting acknowledgements to the event loop once a commit that waited
-        for the WAL flush began after they were asked for (``flushed``: a batch of takes
-        that wrote did)."""
+    def _take_and_flush(self) -> None:
+        """A batch of takes; one that wrote waited for the WAL flush, so it covers every
+        acknowledgement asked for before it began, handed on at once (a backlog keeps
+        this thread taking: acks left for the end of the round waited seconds)."""
+        upto = self._deferred
+        if self._take_batch() and self._unflushed:
+            self._flush_acks(upto, flushed=True)
+
+    def _flush_acks(self, upto: int, flushed: bool) -> None:
+        """Hand the waiting acknowledgements numbered up to ``upto`` to the event loop once
+        a commit that waited for the WAL flush began after they were asked for
+        (``flushed``: a batch of takes that wrote did; else a bare flush here)."""
         if not flushed:
             try:
                 self.rt.store.flush()
             except Exception as exc:
                 if self._flush_failed_at is None:
                     log.warning("could not flush %d result(s) before their acknowledgement "
-                                "(%s: %s); retrying", count, type(exc).__name__, exc,
+                                "(%s: %s); retrying", len(self._unflushed),
+                                type(exc).__name__, exc,
                                 extra={"action": "flush_failed"})
                 self._flush_failed_at = time.monotonic()
                 return
         self._flush_failed_at = None
-        for _ in range(count):
+        moved = False
+        while True:
             try:
-                self._flushed.append(self._unflushed.popleft())
-            except IndexError:  # dropped meanwhile with a lost connection
+                entry = self._unflushed.popleft()
+            except IndexError:  # none left (or dropped meanwhile with a lost connection)
                 break
+            if entry[2] > upto:  # asked for after the commit began: it waits on
+                self._unflushed.appendleft(entry)
+                break
+            self._flushed.append(entry)
+            moved = True
+        if not moved:
+            return
         with contextlib.suppress(BlockingIOError):
             os.write(self._write_fd, b"!")
 

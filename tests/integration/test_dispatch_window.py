@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import select
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -134,3 +135,43 @@ def test_a_warm_shutdown_acknowledges_what_waits_for_the_flush(pg_store: Store) 
     late = FinishedRequest("late")
     _handed(d, late)
     assert not d.defer_ack(late), "after the stop the caller flushes and acknowledges itself"
+
+
+class Backlogged(BatchedDispatch):
+    """Every batch of takes writes (its commit waits for the WAL flush, ~5 ms here) and
+    finds another delivery waiting: a worker draining a backlog."""
+
+    def __init__(self, *args: Any, batches: int) -> None:
+        super().__init__(*args)
+        self.batches_left = batches
+
+    def _take_batch(self) -> bool:
+        entry = self._waiting.popleft()
+        time.sleep(0.005)  # the batch's commit (the thing measured is what happens after it)
+        if self.batches_left > 0:
+            self.batches_left -= 1
+            self._waiting.append(entry)
+        return True
+
+
+def test_a_backlog_does_not_hold_acknowledgements_back(pg_store: Store) -> None:
+    """A batch that wrote covers the acks asked for before it: they go to the event loop
+    after that batch, not when the backlog ends (the review's worker held 509 finished
+    requests unacknowledged, the prefetch window widened to match)."""
+    d = Backlogged(SimpleNamespace(store=pg_store), Owner("window@test", "incarnation",
+                                                          os.getpid()), batches=1000)
+    d.start()
+    try:
+        hub, consumer = Hub(), _consumer()
+        d.attach(hub, consumer)
+        finished = FinishedRequest("done-early")
+        _handed(d, finished)
+        assert d.defer_ack(finished)
+        d.submit(FinishedRequest("backlog"), lambda request: None)
+        hub.run_once()
+        assert finished.acked == 1
+        assert d.batches_left > 900, "acknowledged only when the backlog ended"
+        assert consumer.qos.value == WINDOW
+    finally:
+        d.batches_left = 0
+        d.stop()
