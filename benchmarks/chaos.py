@@ -445,12 +445,16 @@ class Chaos:
         if not up:  # every worker is down, being deployed or spared: kill a little later
             self.schedule(1.0, "kill")
             return
-        i = self.rng.choice(up)
+        # A kill where work runs when there is any: an idle worker's death proves little
+        # (which one, and when, stay random).
+        busy_up = [j for j in up if self.running_on(self.workers[j])]
+        i = self.rng.choice(busy_up or up)
         worker = self.workers[i]
         if self.rng.random() < 0.3:
             children = worker.process.children()
             if children:
-                pid = self.rng.choice(children)
+                busy_children = [c for c in children if self.running_on(worker, c)]
+                pid = self.rng.choice(busy_children or children)
                 busy = self.running_on(worker, pid)
                 self.kill_log.append((time.time(), {pid}))
                 worker.kill_pool_child(pid)
