@@ -77,8 +77,9 @@ class Mode:
 
 class Bench:
     def __init__(self, broker: str, concurrency: int, tmp: Path,
-                 profile_dir: Path | None, body_ms: float = 0.0) -> None:
+                 profile_dir: Path | None, body_ms: float = 0.0, prefetch: int = 4) -> None:
         self.body_ms = body_ms
+        self.prefetch = prefetch
         self.broker = broker
         self.concurrency = concurrency
         self.tmp = tmp
@@ -91,7 +92,8 @@ class Bench:
     def start(self, mode: Mode) -> None:
         env = {"BENCH_BROKER": self.broker, "BENCH_QUEUE": mode.queue,
                "BENCH_RESILIENT": "1" if mode.store_url else "0",
-               "BENCH_BODY_MS": str(self.body_ms), "BENCH_RELIABLE_FETCH": mode.reliable_fetch}
+               "BENCH_BODY_MS": str(self.body_ms), "BENCH_RELIABLE_FETCH": mode.reliable_fetch,
+               "BENCH_PREFETCH": str(self.prefetch)}
         if mode.store_url:
             env |= {"BENCH_STORE_URL": mode.store_url, "BENCH_TABLE_PREFIX": mode.prefix}
             store = Store(mode.store_url, mode.prefix)
@@ -241,12 +243,14 @@ def measure(bench: Bench, modes: list[Mode], args: argparse.Namespace) -> None:
                 raise RuntimeError(f"{mode.name}: {done} works done, expected {expected}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="ResumableTask vs plain acks_late throughput")
     parser.add_argument("--tasks", type=int, default=2000, help="tasks per measurement")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of every mode")
     parser.add_argument("--warmup", type=int, default=300, help="tasks per mode before timing")
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=4,
+                        help="worker_prefetch_multiplier of every mode's worker")
     parser.add_argument("--broker", default="redis://127.0.0.1:6379/13")
     parser.add_argument("--pg-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
     parser.add_argument("--stores", default="sqlite,postgresql",
@@ -266,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cprofile and not args.profile:
         parser.error("--cprofile needs --profile DIR")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     tag = uuid.uuid4().hex[:8]
@@ -287,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         mode.queue = f"bench-{mode.name}-{tag}"
 
-    bench = Bench(args.broker, args.concurrency, tmp, args.profile, args.body_ms)
+    bench = Bench(args.broker, args.concurrency, tmp, args.profile, args.body_ms,
+                  args.prefetch)
     bench.cprofile = args.cprofile
     if bench.unacked_baseline:
         print(f"note: {bench.unacked_baseline} unacked messages already in {args.broker}; "
@@ -295,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine()}; load average at start "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"versions: {versions(args.pg_url, bench.redis)}")
-    print(f"broker {args.broker}; celery worker -c {args.concurrency} prefork, prefetch x4; "
+    print(f"broker {args.broker}; celery worker -c {args.concurrency} prefork, "
+          f"prefetch x{args.prefetch}; "
           f"{args.tasks} tasks x {args.reps} reps per mode, {args.warmup} warm-up tasks, "
           f"task body {args.body_ms} ms\n",
           flush=True)

@@ -2,9 +2,8 @@
 
 A finished request whose ack waits for the flush (worker/dispatch.py) holds a prefetch slot
 but no pool process; the consumer's window widens by one until the ack, as Celery widens it
-for a request waiting for its ETA. Without it the flush's latency starved the pool: with
-``worker_prefetch_multiplier=4`` the trivial-task throughput on PostgreSQL was 0.44 of plain
-Celery's, with it 0.9 (benchmarks/throughput.py, docs/performance.md).
+for a request waiting for its ETA, so the flush's latency does not narrow the window the pool
+draws from (its effect on throughput: docs/performance.md, "The batched hot path").
 
 PostgreSQL only: on SQLite the finish waits for its own commit and no ack is deferred.
 """
