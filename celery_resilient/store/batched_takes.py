@@ -82,7 +82,8 @@ class BatchedTakes:
                     "AND (w.args_digest IS NULL OR {digest} IS NULL OR w.args_digest = {digest}) "
                     "AND w.retries <= {retries} "
                     "AND (w.handed_to IS NULL OR w.handed_to = {supersedes}) "
-                    f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = {{task_id}})")
+                    f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = {{task_id}}"
+                    "{revoked_among})")
         set_running = (f"state = '{RUNNING}', epoch = w.epoch + 1, owner_node = {{node}}, "
                        f"incarnation = {{inc}}, owner_pid = {UNSTARTED_PID}, "
                        f"lease_expires_at = {now} + {{lease}}, attempts = w.attempts + 1, "
@@ -105,6 +106,7 @@ class BatchedTakes:
             p = {name: f":{name}" for name in ("key", "name", "task_id", "digest", "retries",
                                                "supersedes", "message", "node", "inc", "lease",
                                                "max_attempts")}
+            p["revoked_among"] = ""
             self.sqlite_update = (
                 f"UPDATE {work} AS w SET {set_running.format(**p)} "
                 f"WHERE w.work_key = :key AND {takeable.format(**p)} RETURNING "
@@ -127,7 +129,8 @@ class BatchedTakes:
         i = {"key": "i.work_key", "name": "i.task_name", "task_id": "i.task_id",
              "digest": "i.digest", "retries": "i.retries", "supersedes": "i.supersedes",
              "message": "i.message_json", "node": "%(node)s", "inc": "%(inc)s",
-             "lease": "%(lease)s", "max_attempts": "%(max_attempts)s"}
+             "lease": "%(lease)s", "max_attempts": "%(max_attempts)s",
+             "revoked_among": " AND r.task_id = ANY(%(task_ids)s::text[])"}
         self.pg_batch = (
             # The rows come as JSON arrays of arrays (one parameter each): psycopg dumps a
             # text in C where a list of texts costs Python work per element.
@@ -136,22 +139,26 @@ class BatchedTakes:
             "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch, (e->>2)::int AS pid "
             "FROM json_array_elements(%(started)s::json) AS e) AS s "
             f"WHERE w.work_key = s.work_key AND w.epoch = s.epoch AND w.state = '{RUNNING}' "
-            f"AND w.owner_pid = {UNSTARTED_PID} RETURNING 1), "
+            f"AND w.owner_pid = {UNSTARTED_PID} "
+            "AND w.work_key = ANY(%(started_keys)s::text[]) RETURNING 1), "
             f"lost AS (UPDATE {work} AS w SET incarnation = NULL, owner_pid = NULL, "
             f"lease_expires_at = {now} "
             "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch "
             "FROM json_array_elements(%(lost)s::json) AS e) AS l "
             f"WHERE w.work_key = l.work_key AND w.epoch = l.epoch AND w.state = '{RUNNING}' "
-            "AND w.incarnation = %(inc)s RETURNING 1), "
+            "AND w.incarnation = %(inc)s AND w.work_key = ANY(%(lost_keys)s::text[]) "
+            "RETURNING 1), "
             "i AS (SELECT e->>0 AS work_key, e->>1 AS task_name, e->>2 AS task_id, "
             "e->>3 AS digest, (e->>4)::int AS retries, (e->>5)::bigint AS supersedes, "
             "e->>6 AS message_json FROM json_array_elements(%(takes)s::json) AS e), "
             f"upd AS (UPDATE {work} AS w SET {set_running.format(**i)} FROM i "
-            f"WHERE w.work_key = i.work_key AND {takeable.format(**i)} RETURNING {taken}), "
+            "WHERE w.work_key = i.work_key AND w.work_key = ANY(%(keys)s::text[]) "
+            f"AND {takeable.format(**i)} RETURNING {taken}), "
             f"ins AS (INSERT INTO {work} ({insert_cols}) "
             f"SELECT {insert_values.format(**i)} FROM i "
             f"WHERE NOT EXISTS (SELECT 1 FROM {work} w WHERE w.work_key = i.work_key) "
-            f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = i.task_id) "
+            f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = i.task_id "
+            "AND r.task_id = ANY(%(task_ids)s::text[])) "
             "ON CONFLICT (work_key) DO NOTHING RETURNING work_key, epoch, attempts, deaths, "
             "NULL::text, 0::bigint, NULL::bigint, 0::bigint, NULL::text, NULL::bigint) "
             "SELECT work_key, epoch, attempts, deaths, checkpoint_json, checkpoint_seq, "
@@ -173,6 +180,12 @@ class BatchedTakes:
             "lost": json.dumps([[s.work_key, s.epoch] for s in started if s.pid is None]),
             "takes": json.dumps([[t.work_key, t.task_name, t.task_id, t.args_digest, t.retries,
                                   t.supersedes, t.message_json] for t in takes]),
+            # The same keys again as arrays: the planner sees how many rows each part
+            # touches and finds them by index (it guesses 100 for a JSON array, and past a
+            # few thousand rows a table with no statistics yet was scanned whole).
+            "keys": [t.work_key for t in takes], "task_ids": [t.task_id for t in takes],
+            "started_keys": [s.work_key for s in started if s.pid is not None],
+            "lost_keys": [s.work_key for s in started if s.pid is None],
             "node": node, "inc": inc, "lease": lease, "max_attempts": max_attempts,
         }
         raw = conn.connection.dbapi_connection
