@@ -18,7 +18,14 @@ Points, in the order a task reaches them:
     a step's result (or a ``ledger.once`` marker) committed.
 ``before_ack``
     the result and ``done`` state committed, the broker message not yet acknowledged: the
-    redelivered copy must return the stored result and run nothing.
+    redelivered copy must return the stored result and run nothing. A result handed to the
+    main process (``tasks/finishes.py``) is committed there: a whole-worker kill fires in the
+    main process after that commit, a pool-process kill in the pool process once it handed
+    the result over (the main process commits it).
+``after_finish_handed``
+    a pool process handed its result to the main process (``tasks/finishes.py``), which has
+    not committed it: a whole-worker kill loses it, and the copy runs the body again (store
+    effects once; with a result backend holding SUCCESS, it records that instead).
 ``after_failed``
     the body raised and ``failed`` is committed, Celery not yet told (no FAILURE stored, no
     errback run, no chord part counted): the redelivered copy must replay the failure.
@@ -68,7 +75,7 @@ ONCE_ENV = "RESILIENT_KILL_ONCE"
 SCOPE_ENV = "RESILIENT_KILL_SCOPE"
 POINTS = ("before_ack", "after_failed", "after_checkpoint", "after_step", "after_effect",
           "before_chord_count", "before_success_stored", "before_chord_body_sent",
-          "after_batch_take", "mid_prune")
+          "after_batch_take", "after_finish_handed", "mid_prune")
 
 
 def parse(spec: str | None) -> dict[str, int]:
@@ -92,6 +99,8 @@ def parse(spec: str | None) -> dict[str, int]:
 
 
 _armed: dict[str, int] = parse(os.environ.get(ENV))
+#: ``group`` (the whole worker) or ``process`` (the one that reached the point).
+SCOPE = os.environ.get(SCOPE_ENV, "group")
 #: False in production: the library tests this before calling :func:`reached`.
 ARMED: bool = bool(_armed)
 _hits: Counter[str] = Counter()
@@ -115,17 +124,18 @@ def reached(point: str) -> None:
         os.write(fd, f"{point}:{_armed[point]} pid={os.getpid()}\n".encode())
         os.fsync(fd)
         os.close(fd)
-    if os.environ.get(SCOPE_ENV, "group") == "process":
+    if SCOPE == "process":
         os.kill(os.getpid(), signal.SIGKILL)
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def arm(spec: str | None) -> None:
     """Re-read a kill spec in this process (tests of the kill points themselves)."""
-    global ARMED, _armed
+    global ARMED, SCOPE, _armed
     _armed = parse(spec)
+    SCOPE = os.environ.get(SCOPE_ENV, "group")
     _hits.clear()
     ARMED = bool(_armed)
 
 
-__all__ = ["ENV", "ONCE_ENV", "POINTS", "SCOPE_ENV", "arm", "reached"]
+__all__ = ["ENV", "ONCE_ENV", "POINTS", "SCOPE", "SCOPE_ENV", "arm", "reached"]

@@ -28,7 +28,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from celery_resilient.core.states import REQUEUED, RESERVED, RUNNING, UNSTARTED_PID
+from celery_resilient.core.states import DONE, REQUEUED, RESERVED, RUNNING, UNSTARTED_PID
 from celery_resilient.store.dialect import Dialect
 
 
@@ -56,6 +56,16 @@ class Started:
     work_key: str
     epoch: int
     pid: int | None
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A body's result handed by its pool process (``tasks/finishes.py``), for the main
+    process to commit as ``done`` under its claim."""
+
+    work_key: str
+    epoch: int
+    result_json: str | None
 
 
 #: Columns every taken row returns, in this order (the careful take's ``Resume`` inputs).
@@ -154,6 +164,15 @@ class BatchedTakes:
             f"upd AS (UPDATE {work} AS w SET {set_running.format(**i)} FROM i "
             "WHERE w.work_key = i.work_key AND w.work_key = ANY(%(keys)s::text[]) "
             f"AND {takeable.format(**i)} RETURNING {taken}), "
+            # Results handed by pool processes: ``done`` under the epoch they ran with, as
+            # the pool process's own finish (HotStatements.close) would write it.
+            f"fin AS (UPDATE {work} AS w SET state = '{DONE}', result_json = f.result_json, "
+            "error = NULL, owner_pid = NULL, lease_expires_at = NULL, "
+            f"updated_at = {now}, finished_at = {now} "
+            "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch, e->>2 AS result_json "
+            "FROM json_array_elements(%(finishes)s::json) AS e) AS f "
+            f"WHERE w.work_key = f.work_key AND w.epoch = f.epoch AND w.state = '{RUNNING}' "
+            "AND w.work_key = ANY(%(finish_keys)s::text[]) RETURNING w.work_key), "
             f"ins AS (INSERT INTO {work} ({insert_cols}) "
             f"SELECT {insert_values.format(**i)} FROM i "
             f"WHERE NOT EXISTS (SELECT 1 FROM {work} w WHERE w.work_key = i.work_key) "
@@ -161,19 +180,28 @@ class BatchedTakes:
             "AND r.task_id = ANY(%(task_ids)s::text[])) "
             "ON CONFLICT (work_key) DO NOTHING RETURNING work_key, epoch, attempts, deaths, "
             "NULL::text, 0::bigint, NULL::bigint, 0::bigint, NULL::text, NULL::bigint) "
-            "SELECT work_key, epoch, attempts, deaths, checkpoint_json, checkpoint_seq, "
+            "SELECT true, work_key, epoch, attempts, deaths, checkpoint_json, checkpoint_seq, "
             "checkpoint_epoch, checkpoint_takes, old_state_json, old_seq FROM upd "
-            "UNION ALL SELECT * FROM ins")
+            "UNION ALL SELECT true, * FROM ins "
+            "UNION ALL SELECT false, work_key, NULL::bigint, NULL::int, NULL::int, NULL::text, "
+            "NULL::bigint, NULL::bigint, NULL::bigint, NULL::text, NULL::bigint FROM fin")
 
     def run(self, conn: Connection, takes: Sequence[TakeRequest], started: Sequence[Started],
-            node: str, inc: str, lease: float, max_attempts: int) -> list[dict[str, Any]]:
-        """Take what can be taken of ``takes`` (one row each, unique keys) and mark
-        ``started``; the rows taken, as dicts of :data:`TAKEN_COLUMNS`.
+            node: str, inc: str, lease: float, max_attempts: int,
+            finishes: Sequence[Finish] = ()) -> tuple[list[dict[str, Any]], set[str]]:
+        """Take what can be taken of ``takes`` (one row each, unique keys), mark ``started``
+        and commit ``finishes`` (PostgreSQL only; keys apart from those of the takes and
+        marks: one row is changed once per statement); the rows taken, as dicts of
+        :data:`TAKEN_COLUMNS`, and the keys finished (a finish whose claim moved on is not).
 
         PostgreSQL: ``conn`` is autocommitted and the statement is its own transaction.
         SQLite: ``conn`` is inside a writing transaction the caller commits."""
         if self.dialect.is_sqlite:
-            return self._run_sqlite(conn, takes, started, node, inc, lease, max_attempts)
+            if finishes:
+                raise ValueError("finishes are committed by the main process on PostgreSQL "
+                                 "only")
+            return self._run_sqlite(conn, takes, started, node, inc, lease,
+                                    max_attempts), set()
         params = {
             "started": json.dumps([[s.work_key, s.epoch, s.pid] for s in started
                                    if s.pid is not None]),
@@ -186,6 +214,8 @@ class BatchedTakes:
             "keys": [t.work_key for t in takes], "task_ids": [t.task_id for t in takes],
             "started_keys": [s.work_key for s in started if s.pid is not None],
             "lost_keys": [s.work_key for s in started if s.pid is None],
+            "finishes": json.dumps([[f.work_key, f.epoch, f.result_json] for f in finishes]),
+            "finish_keys": [f.work_key for f in finishes],
             "node": node, "inc": inc, "lease": lease, "max_attempts": max_attempts,
         }
         raw = conn.connection.dbapi_connection
@@ -193,7 +223,13 @@ class BatchedTakes:
         cursor = raw.cursor()
         try:
             cursor.execute(self.pg_batch, params)
-            return [dict(zip(TAKEN_COLUMNS, row, strict=True)) for row in cursor.fetchall()]
+            taken, finished = [], set()
+            for row in cursor.fetchall():
+                if row[0]:
+                    taken.append(dict(zip(TAKEN_COLUMNS, row[1:], strict=True)))
+                else:
+                    finished.add(row[1])
+            return taken, finished
         finally:
             cursor.close()
 

@@ -56,7 +56,7 @@ from celery_resilient.errors import (
     WorkStopped,
 )
 from celery_resilient.store import liveness, migrate, transient
-from celery_resilient.store.batched_takes import BatchedTakes, Started, TakeRequest
+from celery_resilient.store.batched_takes import BatchedTakes, Finish, Started, TakeRequest
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
 from celery_resilient.store.hot import HotStatements
@@ -713,34 +713,38 @@ class Store:
                                         Resume(_checkpoint_to_resume(row))))
 
     def take_batch(self, takes: Sequence[TakeRequest], started: Sequence[Started],
-                   owner: Owner, lease_seconds: float, max_attempts: int) -> dict[str, Claim]:
+                   owner: Owner, lease_seconds: float, max_attempts: int,
+                   finishes: Sequence[Finish] = ()) -> tuple[dict[str, Claim], set[str]]:
         """The worker's main process takes the claims of many deliveries at once (see
         :mod:`celery_resilient.store.batched_takes`) and marks ``started`` claims; returns
-        the claims taken by work key. A key not returned is left to its pool process's
-        careful :meth:`take`.
+        the claims taken by work key, and the keys of ``finishes`` committed ``done`` (the
+        group commit of results pool processes handed over; PostgreSQL). A key not returned
+        is left to its pool process's careful :meth:`take`.
 
         Not ``guarded``: a failure is left to the caller, which then dispatches the batch
         without claims (each pool process takes its own, with its store-outage handling);
         a take that committed before its reply was lost is one those careful takes see as
         this worker's and leave alone until the worker lets it go (``reconcile``).
         """
-        if not takes and not started:
-            return {}
+        if not takes and not started and not finishes:
+            return {}, set()
         if self.dialect.is_sqlite:
             with self.begin() as conn:
-                rows = self._batched.run(conn, takes, started, owner.node, owner.incarnation,
-                                         lease_seconds, max_attempts)
+                rows, finished = self._batched.run(conn, takes, started, owner.node,
+                                                   owner.incarnation, lease_seconds,
+                                                   max_attempts, finishes)
         else:
             with self.single() as conn:
-                rows = self._batched.run(conn, takes, started, owner.node, owner.incarnation,
-                                         lease_seconds, max_attempts)
+                rows, finished = self._batched.run(conn, takes, started, owner.node,
+                                                   owner.incarnation, lease_seconds,
+                                                   max_attempts, finishes)
         claims: dict[str, Claim] = {}
         for row in rows:
             view = _RowView(row)
             claims[row["work_key"]] = Claim(row["work_key"], int(row["epoch"]),
                                             int(row["attempts"]), int(row["deaths"]),
                                             Resume(_checkpoint_to_resume(view)))
-        return claims
+        return claims, finished
 
     def ended(self, state: str, error: str) -> dict[str, Any]:
         """The column values of every transition to a terminal ``state`` but ``done``."""

@@ -106,6 +106,9 @@ class Execution:
     #: Taken by the worker's main process (batched takes): the finish need not wait for the
     #: WAL flush, that process flushes before it acknowledges.
     handed: bool = False
+    #: The generation of handed claims when this one was received (``tasks/handed.py``):
+    #: while it and the lease hold, no other worker can own the claim.
+    handed_generation: int | None = None
 
     @property
     def direct(self) -> bool:

@@ -45,6 +45,12 @@ def lease_good_until(deadline: float) -> None:
     struct.pack_into("d", _shared, 8, deadline)
 
 
+def still_own(since: int | None) -> bool:
+    """Whether a claim received in generation ``since`` surely is still this worker's: no
+    claim was voided since, and the lease is good."""
+    return since is not None and since == generation() and _lease_good()
+
+
 def _lease_good() -> bool:
     return time.monotonic() < float(struct.unpack_from("d", _shared, 8)[0])
 

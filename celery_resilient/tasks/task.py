@@ -36,7 +36,7 @@ from celery_resilient.errors import (
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.sql import Claim, TakeOutcome
-from celery_resilient.tasks import handed, replay, submission
+from celery_resilient.tasks import finishes, handed, replay, submission
 from celery_resilient.tasks.checkpoint import Checkpoint
 from celery_resilient.tasks.context import Context, task_context
 from celery_resilient.tasks.execution import Execution
@@ -193,6 +193,7 @@ class ResumableTask(Task):  # type: ignore[misc]
         work_key = self._work_key_for(req.id, args, kwargs)
         who = identity.owner(req.hostname, eager=bool(req.is_eager))
         ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
+        generation = handed.generation()
         claim = handed.received(req, who.incarnation, work_key)  # taken by the main process
         handed_claim = claim is not None
         if claim is None:
@@ -209,7 +210,9 @@ class ResumableTask(Task):  # type: ignore[misc]
         req.resilient_execution = Execution(rt.store, rt.config, work_key, claim.epoch,
                                             claim.attempts, can_hand_off=not req.is_eager,
                                             task_id=req.id, resume_from=claim.resume,
-                                            handed=handed_claim)
+                                            handed=handed_claim,
+                                            handed_generation=generation if handed_claim
+                                            else None)
         req.resilient_checkpoint = None
         identity.enter(work_key)
         try:
@@ -285,11 +288,15 @@ class ResumableTask(Task):  # type: ignore[misc]
                          extra={"action": "resumed", **ctx})
                 self.on_resume(self.execution.attempts)
             result = (self.run if body is None else body)(*args, **kwargs)
-            rt.store.finish(work_key, epoch,
-                            codec.encode(_as_stored(result), f"result of {self.name}"),
-                            flushed=not self.execution.handed)
+            result_json = codec.encode(_as_stored(result), f"result of {self.name}")
+            handed_over = self._hand_finish(work_key, epoch, result_json)
+            if not handed_over:
+                rt.store.finish(work_key, epoch, result_json, flushed=not self.execution.handed)
             if killpoints.ARMED:
-                killpoints.reached("before_ack")
+                if handed_over:
+                    killpoints.reached("after_finish_handed")
+                if not handed_over or killpoints.SCOPE == "process":
+                    killpoints.reached("before_ack")  # else in the main process, once committed
             return result
         except Retry as retry:
             # Celery published the retry (within max_retries): hand the claim to it, unless
@@ -328,6 +335,14 @@ class ResumableTask(Task):  # type: ignore[misc]
         except Exception as exc:
             self._record_end(rt, epoch, ctx, exc, FAILED)
             raise
+
+    def _hand_finish(self, work_key: str, epoch: int, result_json: str) -> bool:
+        """Hand the result to the main process's group commit (``tasks/finishes.py``): only
+        a claim it handed and surely still this worker's, for a request with no canvas."""
+        x = self.execution
+        return (x.handed and handed.still_own(x.handed_generation)
+                and not _has_canvas(self.request)
+                and finishes.hand(work_key, epoch, result_json))
 
     def _hand_back(self, rt: Runtime, epoch: int, ctx: dict[str, Any],
                    delay: float, next_retries: int, clear_checkpoint: bool = False,
@@ -610,6 +625,12 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _work_key_for(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         return workkey.derive(self, task_id, args, kwargs, _headers_of(self.request))
+
+
+def _has_canvas(req: Any) -> bool:
+    """Whether Celery does more than store the result after this request's body: links,
+    errbacks, a chain, a chord or a group (their recovery needs ``done`` first)."""
+    return bool(req.callbacks or req.errbacks or req.chain or req.chord or req.group)
 
 
 def _pin_link_ids(req: Any) -> None:

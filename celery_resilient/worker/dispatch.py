@@ -44,9 +44,9 @@ from typing import Any
 from celery_resilient.core import codec, killpoints, messages, workkey
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.store.batched_takes import Started, TakeRequest
+from celery_resilient.store.batched_takes import Finish, Started, TakeRequest
 from celery_resilient.store.sql import Claim
-from celery_resilient.tasks import handed
+from celery_resilient.tasks import finishes, handed
 from celery_resilient.tasks.task import SUPERSEDES_HEADER
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,14 @@ class BatchedDispatch:
         self._unflushed_since = 0.0
         self._flush_failed_at: float | None = None
         self._defers = not rt.store.dialect.is_sqlite
+        #: Results pool processes handed over (``tasks/finishes.py``), by work key, until a
+        #: statement commits them (each batch carries all of them).
+        self._reader = finishes.Reader()
+        self._finishes: dict[str, Finish] = {}
+        self._finish_lock = threading.Lock()
+        self._finishes_since = 0.0
+        #: Keys group-committed whose acknowledgement is still due (kill points only).
+        self._committed: set[str] = set()
         #: The (work key, epoch) handed with each request, by the request itself: copies of
         #: one message (a requeue, a re-publish) share a task id but not a claim.
         self._claims: dict[Any, tuple[str, int]] = {}
@@ -124,6 +132,7 @@ class BatchedDispatch:
 
     def start(self) -> None:
         self._thread.start()
+        finishes.accepting(self._defers)
 
     def attach(self, hub: Any, consumer: Any = None) -> None:
         """The ``consumer`` (re)started on ``hub``: taken requests are handed on from
@@ -205,10 +214,43 @@ class BatchedDispatch:
 
     def _flush_inline(self) -> None:
         try:
-            self.rt.store.flush()
+            if not self._commit_finishes():
+                self.rt.store.flush()
         except Exception as exc:  # acknowledged anyway: the claim stays open in the store
             log.warning("could not flush before acknowledging (%s: %s)", type(exc).__name__,
                         exc)
+
+    def _commit_finishes(self) -> bool:
+        """Commit the results handed over so far in a statement of their own (no takes);
+        whether it wrote (then it waited for the WAL flush). Raises if the store fails."""
+        with self._finish_lock:
+            self._collect()
+            if not self._finishes:
+                return False
+            fins = list(self._finishes.values())
+            _, finished = self.rt.store.take_batch([], [], self.owner, 0.0, 0, fins)
+            self._committed_now(fins, finished)
+            return bool(finished)
+
+    def _collect(self) -> None:
+        """The results pool processes handed over since the last call (lock held)."""
+        for finish in self._reader.drain():
+            if not self._finishes:
+                self._finishes_since = time.monotonic()
+            self._finishes[finish.work_key] = finish
+
+    def _committed_now(self, fins: list[Finish], finished: set[str]) -> None:
+        """``fins`` were in a statement that committed (lock held): they are done, or their
+        claim moved on (taken over, stopped) and the result was not recorded."""
+        for finish in fins:
+            if self._finishes.get(finish.work_key) is finish:
+                del self._finishes[finish.work_key]
+            if finish.work_key not in finished:
+                log.warning("result of work %s (epoch %d) not recorded: its claim moved on "
+                            "before the group commit", finish.work_key, finish.epoch,
+                            extra={"action": "finish_refused", "work_key": finish.work_key})
+            elif killpoints.ARMED:
+                self._committed.add(finish.work_key)
 
     def forget(self, request: Any) -> None:
         """``request`` was acknowledged or rejected: nothing more to mark for it. If its pool
@@ -283,8 +325,18 @@ class BatchedDispatch:
         while self._flushed:
             request, connection, _ = self._flushed.popleft()
             if connection == self._connection:
+                if killpoints.ARMED:
+                    self._before_ack(request)
                 request.acknowledge_now()
                 self._widen(-1)
+
+    def _before_ack(self, request: Any) -> None:
+        """Kill point ``before_ack`` of a result the main process committed (whole worker)."""
+        claim = self._claims.get(request)
+        if claim is not None and claim[0] in self._committed:
+            self._committed.discard(claim[0])
+            if killpoints.SCOPE != "process":
+                killpoints.reached("before_ack")
 
     # -- the taking thread --------------------------------------------------------------
 
@@ -294,10 +346,11 @@ class BatchedDispatch:
         that come in from now on are flushed by the caller before their acknowledgement."""
         if self._stopping:
             return
+        finishes.accepting(False)  # results from now on: their pool processes finish them
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=5)
-        if self._unflushed:
+        if self._defers:  # results handed over, and acknowledgements waiting for them
             self._flush_inline()
             self._flushed.extend(self._unflushed)
             self._unflushed.clear()
@@ -325,16 +378,23 @@ class BatchedDispatch:
             pause = min(pause, self._marks_since + STARTED_DELAY - now)
         if self._unflushed:
             pause = min(pause, self._unflushed_since + FLUSH_DELAY - now)
+        if self._finishes:
+            pause = min(pause, self._finishes_since + FLUSH_DELAY - now)
         return max(0.0, pause)
 
     def _flush_due(self) -> bool:
-        """Whether waiting acknowledgements get a bare flush now: none covered them within
-        :data:`FLUSH_DELAY`, or a second passed since a flush failed."""
-        if not self._unflushed:
+        """Whether waiting acknowledgements (or handed results) get a statement of their
+        own now: no batch of takes covered them within :data:`FLUSH_DELAY`, or a second
+        passed since a flush failed."""
+        with self._finish_lock:
+            self._collect()
+        if not self._unflushed and not self._finishes:
             return False
-        since, wait = ((self._unflushed_since, FLUSH_DELAY) if self._flush_failed_at is None
-                       else (self._flush_failed_at, 1.0))
-        return time.monotonic() >= since + wait
+        if self._flush_failed_at is not None:
+            return time.monotonic() >= self._flush_failed_at + 1.0
+        since = min(self._unflushed_since if self._unflushed else float("inf"),
+                    self._finishes_since if self._finishes else float("inf"))
+        return time.monotonic() >= since + FLUSH_DELAY
 
     def _run(self) -> None:
         while not self._stopping:
@@ -386,7 +446,8 @@ class BatchedDispatch:
         (``flushed``: a batch of takes that wrote did; else a bare flush here)."""
         if not flushed:
             try:
-                self.rt.store.flush()
+                if not self._commit_finishes():
+                    self.rt.store.flush()
             except Exception as exc:
                 if self._flush_failed_at is None:
                     log.warning("could not flush %d result(s) before their acknowledgement "
@@ -432,23 +493,29 @@ class BatchedDispatch:
         batch: list[Entry] = []
         while self._waiting and len(batch) < MAX_BATCH:
             batch.append(self._waiting.popleft())
-        with self._lock:
-            marks, self._marks = list(self._marks.values()), {}
-        takes, keys, later = self._sort(batch)
         cfg = self.rt.config
-        try:
-            claims = self.rt.store.take_batch(takes, marks, self.owner, cfg.lease_seconds,
-                                              cfg.max_attempts)
-        except Exception as exc:
-            log.warning("batched take of %d request(s) failed (%s: %s); their pool "
-                        "processes take their own claims", len(takes), type(exc).__name__,
-                        exc, extra={"action": "batch_take_failed"})
-            claims = {}
+        with self._finish_lock:
+            self._collect()
+            fins = list(self._finishes.values())
+            with self._lock:
+                # a claim's result supersedes its started or lost mark (one change per row)
+                marks = [m for m in self._marks.values() if m.work_key not in self._finishes]
+                self._marks = {}
+            takes, keys, later = self._sort(batch)
+            try:
+                claims, finished = self.rt.store.take_batch(
+                    takes, marks, self.owner, cfg.lease_seconds, cfg.max_attempts, fins)
+            except Exception as exc:  # the results wait for the next statement
+                log.warning("batched take of %d request(s) failed (%s: %s); their pool "
+                            "processes take their own claims", len(takes), type(exc).__name__,
+                            exc, extra={"action": "batch_take_failed"})
+                claims, finished, fins = {}, set(), []
+            self._committed_now(fins, finished)
         if claims and killpoints.ARMED:
             killpoints.reached("after_batch_take")
         self.batches += 1
         self._hand_on(batch, keys, claims, later)
-        return bool(claims)
+        return bool(claims) or bool(finished)
 
     def _sort(self, batch: list[Entry]) -> tuple[list[TakeRequest], list[str | None],
                                                  dict[str, list[Entry]]]:
@@ -470,7 +537,9 @@ class BatchedDispatch:
                     self._parked.setdefault(key, []).append(entry)
                     keys.append("")
                     continue
-            if key in taken:
+            if key in taken or key in self._finishes:
+                # a later request for a key of this batch, or for one whose result this
+                # batch commits: it goes on after it, to its own take
                 later.setdefault(key, []).append(entry)
                 keys.append("")
                 continue

@@ -177,6 +177,32 @@ def test_kill_points_after_effect_and_before_ack(make_env: Callable[..., Env], b
 
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_a_result_handed_over_and_lost_with_its_worker_runs_again_with_effects_once(
+        make_env: Callable[..., Env], broker: str, redis_url: str, amqp_url: str,
+        tmp_path: Path, effect_log: EffectLog) -> None:
+    """The group commit's window (tasks/finishes.py): a pool process handed its result to
+    the main process, and the whole worker died before the main process committed it. The
+    copy finds the claim open and runs the body again, as the relaxed ordering says: its
+    steps' effects are not repeated (their markers were committed by the body), the work
+    ends done once, and the ack of the copy's result waits for its own commit."""
+    env = make_env(redis_url if broker == "redis" else amqp_url)
+    env.store.migrate()
+    once = tmp_path / "killed-after-finish-handed"
+    worker = env.worker(RESILIENT_KILL_AT="after_finish_handed", RESILIENT_KILL_ONCE=str(once))
+    key = env.send("steps", 0.0, task_id="handed-steps")
+    wait_for(lambda: worker.process.status == "exited", 60, "the kill point to fire")
+    assert once.read_text().startswith("after_finish_handed")
+    worker.restart()
+    wait_for(lambda: env.state(key) == "done", 60, "the work to finish after the restart")
+    starts = [e["epoch"] for e in effect_log.entries() if e["effect"] == "start"]
+    steps = [(e["step"], e["epoch"]) for e in effect_log.entries() if e["effect"] == "step"]
+    assert starts == [1, 2], f"the body ran again after the lost result: {starts}"
+    assert steps == [("a", 1), ("b", 1), ("c", 1)], f"each step's effect once: {steps}"
+    row = env.store.get_work(key)
+    assert row is not None and (row.state, row.epoch) == ("done", 2)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_kill_point_after_a_batch_of_takes(make_env: Callable[..., Env], broker: str,
                                            redis_url: str, amqp_url: str, tmp_path: Path,
                                            effect_log: EffectLog) -> None:

@@ -5,11 +5,12 @@ Every test runs on SQLite and on PostgreSQL (the ``store`` fixture)."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import insert, update
 
 from celery_resilient.core import codec
 from celery_resilient.core.states import UNSTARTED_PID
-from celery_resilient.store.batched_takes import Started, TakeRequest
+from celery_resilient.store.batched_takes import Finish, Started, TakeRequest
 from celery_resilient.store.sql import Receipt, Store
 
 from .helpers import died, never_live, owner, run, started, take
@@ -24,7 +25,7 @@ def request(key: str, task_id: str | None = None, retries: int = 0,
 def batch(store: Store, who: object, *takes: TakeRequest,
           marks: tuple[Started, ...] = (), max_attempts: int = 5) -> dict[str, int]:
     """Take ``takes`` in one batch; the epochs taken, by work key."""
-    claims = store.take_batch(list(takes), list(marks), who, 30.0, max_attempts)  # type: ignore[arg-type]
+    claims, _ = store.take_batch(list(takes), list(marks), who, 30.0, max_attempts)  # type: ignore[arg-type]
     return {k: c.epoch for k, c in claims.items()}
 
 
@@ -47,7 +48,7 @@ def test_reserved_and_requeued_claims_are_taken_with_their_checkpoint(store: Sto
     first = run(store, "q", me, task_id="tid-q")
     store.save_checkpoint("q", first.epoch, codec.encode({"row": 7}))
     store.release("q", first.epoch, 0.0, 0)  # handed back (a retry, say)
-    claims = store.take_batch([request("r"), request("q")], [], me, 30.0, 5)
+    claims, _ = store.take_batch([request("r"), request("q")], [], me, 30.0, 5)
     assert {k: c.epoch for k, c in claims.items()} == {"r": 1, "q": 2}
     assert claims["r"].resume is not None and claims["r"].resume.found is None
     assert claims["q"].resume is not None and claims["q"].resume.found is not None
@@ -178,7 +179,7 @@ def test_a_finish_that_does_not_wait_for_the_flush_changes_no_session_setting(
     a transaction-local setting: the pooled connection it ran on keeps the server's setting
     (behind a pooler it may serve another client next)."""
     me = started(store, owner())
-    claims = store.take_batch([request("k")], [], me, 30.0, 5)
+    claims, _ = store.take_batch([request("k")], [], me, 30.0, 5)
     store.finish("k", claims["k"].epoch, codec.encode(42), flushed=False)
     store.flush()
     row = store.get_work("k")
@@ -188,3 +189,23 @@ def test_a_finish_that_does_not_wait_for_the_flush_changes_no_session_setting(
     with store.single() as conn:  # the autocommit pool the finish ran on (one connection)
         setting = conn.exec_driver_sql("SHOW synchronous_commit").scalar_one()
     assert setting == "on"
+
+
+def test_the_group_commit_records_results_under_their_epoch_only(store: Store) -> None:
+    """Results handed by pool processes are committed ``done`` by the main process's batch
+    (PostgreSQL): a result whose claim moved on (another epoch) changes nothing and is not
+    reported finished. SQLite refuses them: its pool processes finish their own claims."""
+    me = started(store, owner())
+    claims, _ = store.take_batch([request("a"), request("b")], [], me, 30.0, 5)
+    fins = [Finish("a", claims["a"].epoch, codec.encode("ra")),
+            Finish("b", claims["b"].epoch + 1, codec.encode("rb"))]
+    if store.dialect.is_sqlite:
+        with pytest.raises(ValueError, match="PostgreSQL only"):
+            store.take_batch([], [], me, 30.0, 5, fins)
+        return
+    taken, finished = store.take_batch([request("c")], [], me, 30.0, 5, fins)
+    assert set(taken) == {"c"} and finished == {"a"}
+    a, b = store.get_work("a"), store.get_work("b")
+    assert a is not None and (a.state, a.owner_pid, a.lease_expires_at) == ("done", None, None)
+    assert codec.decode(a.result_json) == "ra" and a.finished_at is not None
+    assert b is not None and b.state == "running" and b.result_json is None

@@ -1,0 +1,121 @@
+"""The group commit: results pool processes hand to the main process (tasks/finishes.py),
+committed by the dispatcher (worker/dispatch.py) before their acknowledgements.
+
+The pipe, the store and the dispatcher's thread are real; a forked child stands for the pool
+process (it inherits the pipe as a pool process does). PostgreSQL only: on SQLite every pool
+process finishes its own claim.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from celery_resilient.core import codec
+from celery_resilient.core.identity import Owner
+from celery_resilient.store.batched_takes import Started, TakeRequest
+from celery_resilient.store.sql import Store
+from celery_resilient.tasks import finishes
+from celery_resilient.worker.dispatch import BatchedDispatch
+
+from .helpers import started
+from .test_dispatch_window import FinishedRequest, Hub, _consumer
+
+pytestmark = pytest.mark.postgres
+
+
+class Observed(FinishedRequest):
+    """A request that records its claim's state in the store when it is acknowledged."""
+
+    def __init__(self, task_id: str, store: Store, key: str) -> None:
+        super().__init__(task_id)
+        self.store, self.key = store, key
+        self.state_at_ack: str | None = None
+
+    def acknowledge_now(self) -> None:
+        row = self.store.get_work(self.key)
+        self.state_at_ack = None if row is None else row.state
+        super().acknowledge_now()
+
+
+@pytest.fixture
+def channel() -> Iterator[None]:
+    finishes.open_channel()
+    yield
+    finishes.Reader().drain()  # nothing left for the next test
+    finishes.accepting(False)
+
+
+def _in_a_pool_process(work_key: str, epoch: int, result: object) -> bool:
+    """Hand a result over from a forked child, as a pool process does; whether it was."""
+    pid = os.fork()
+    if pid == 0:  # the child: hand it over and leave at once (no cleanup of the parent's)
+        os._exit(0 if finishes.hand(work_key, epoch, codec.encode(result)) else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _taken(store: Store, me: Owner, *keys: str) -> dict[str, int]:
+    claims, _ = store.take_batch([TakeRequest(k, "proj.task", f"tid-{k}", 0, None, None, "{}")
+                                  for k in keys], [], me, 30.0, 5)
+    return {k: c.epoch for k, c in claims.items()}
+
+
+def test_a_handed_result_is_done_in_the_store_before_its_ack(pg_store: Store,
+                                                             channel: None) -> None:
+    me = started(pg_store, Owner("gc@test", "inc-gc", os.getpid()))
+    epochs = _taken(pg_store, me, "g1", "g2")
+    d = BatchedDispatch(SimpleNamespace(store=pg_store), me)  # type: ignore[arg-type]
+    d.start()
+    try:
+        hub = Hub()
+        d.attach(hub, _consumer())
+        requests = [Observed(f"t-{k}", pg_store, k) for k in epochs]
+        for request, (key, epoch) in zip(requests, epochs.items(), strict=True):
+            d._claims[request] = (key, epoch)  # handed by a batch of takes
+            assert _in_a_pool_process(key, epoch, {"sum": epoch}), "the pipe refused it"
+            assert d.defer_ack(request)
+        while any(r.acked == 0 for r in requests):
+            hub.run_once()
+    finally:
+        d.stop()
+    assert [r.state_at_ack for r in requests] == ["done", "done"]
+    row = pg_store.get_work("g1")
+    assert row is not None and codec.decode(row.result_json) == {"sum": epochs["g1"]}
+
+
+def test_a_result_supersedes_a_lost_mark_of_its_claim(pg_store: Store, channel: None) -> None:
+    """The pool process handed its result and then died: the main process's lost mark and
+    the result meet in one batch; the result wins (one change per row and statement), so the
+    requeued copy finds the work done."""
+    me = started(pg_store, Owner("gc@test", "inc-lost", os.getpid()))
+    epoch = _taken(pg_store, me, "lost")["lost"]
+    rt = SimpleNamespace(store=pg_store, config=SimpleNamespace(lease_seconds=30.0,
+                                                                max_attempts=5))
+    d = BatchedDispatch(rt, me)  # type: ignore[arg-type]
+    d.start()
+    try:
+        request = Observed("t-lost", pg_store, "lost")
+        d._claims[request] = ("lost", epoch)
+        assert _in_a_pool_process("lost", epoch, 7)
+        d._mark(Started("lost", epoch, None))
+        d._take_batch()  # (or the dispatcher's thread got there first: the same batch)
+    finally:
+        d.stop()
+    row = pg_store.get_work("lost")
+    assert row is not None and (row.state, row.incarnation) == ("done", me.incarnation)
+
+
+def test_what_the_pipe_does_not_take_the_pool_process_finishes_itself(
+        pg_store: Store, channel: None) -> None:
+    """A result too big for one atomic write, or one handed while no dispatcher takes
+    results (a warm shutdown stopped it), is refused: the pool process finishes itself."""
+    finishes.accepting(True)
+    assert not _in_a_pool_process("big", 1, "x" * finishes.MAX_RECORD)
+    assert finishes.Reader().drain() == []
+    finishes.accepting(False)
+    assert not _in_a_pool_process("late", 1, 1)
+    assert finishes.Reader().drain() == []
