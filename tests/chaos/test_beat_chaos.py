@@ -68,17 +68,21 @@ def test_two_beats_killed_twenty_times_send_every_slot_once(beatproj: BeatProjec
     beatproj.worker()
     armed = 0
 
-    def start(view: int) -> LocalBeat:
+    def start(view: int, arm: bool = False) -> LocalBeat:
         nonlocal armed
         env = {"RESILIENT_BEAT_REDIS": views[view]}
-        if rng.random() < 0.35:  # die right after the next slot claim, before the publish
+        if arm or rng.random() < 0.35:  # die right after the next slot claim, before the publish
             armed += 1
             env[KILL_AFTER_CLAIM_ENV] = str(tmp_path / f"claim-kill-{armed}")
         node = beatproj.beat(start=False, **env)
         node.process.start(wait=False)
         return node
 
-    beats = [start(0), start(1)]
+    # The first beat always dies between a claim and its publish (the window this test is
+    # for): a random kill could come before a slow start's first claim, every time.
+    beats = [start(0, arm=True), start(1)]
+    wait_for(lambda: any(tmp_path.glob("claim-kill-*")), 60,
+             "the first beat to die between a claim and its publish")
     kills = 0
     try:
         while kills < KILLS:
