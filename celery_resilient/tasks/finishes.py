@@ -31,6 +31,7 @@ import json
 import mmap
 import os
 import select
+import time
 
 from celery_resilient.store.batched_takes import Finish
 
@@ -43,6 +44,12 @@ MAX_RECORD = select.PIPE_BUF
 _shared = mmap.mmap(-1, 1)
 _read_fd: int | None = None
 _write_fd: int | None = None
+#: This pool process's results handed over lately, by work key: until the main process
+#: commits one, its claim still reads ``running`` under this process's PID, and a duplicate
+#: delivery's take here must find it live, not dead (it would take it over and run the body
+#: again). Kept :data:`REMEMBER_SECONDS`, far past any commit.
+_handed: dict[str, float] = {}
+REMEMBER_SECONDS = 120.0
 
 
 def open_channel() -> None:
@@ -69,9 +76,23 @@ def hand(work_key: str, epoch: int, result_json: str | None) -> bool:
     if len(record) > MAX_RECORD:
         return False
     try:
-        return os.write(_write_fd, record) == len(record)
+        if os.write(_write_fd, record) != len(record):
+            return False
     except (BlockingIOError, OSError):
         return False
+    now = time.monotonic()
+    if len(_handed) >= 1024:  # forget what the main process committed long ago
+        for key in [k for k, at in _handed.items() if now - at > REMEMBER_SECONDS]:
+            del _handed[key]
+    _handed[work_key] = now
+    return True
+
+
+def handed_here(work_key: str) -> bool:
+    """Whether this process handed ``work_key``'s result over lately (its commit may be
+    pending): its execution counts as live here."""
+    at = _handed.get(work_key)
+    return at is not None and time.monotonic() - at <= REMEMBER_SECONDS
 
 
 class Reader:

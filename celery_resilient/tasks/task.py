@@ -756,8 +756,8 @@ def _is_live_here(work_key: str, my_pid: int) -> Callable[
     """Liveness of an execution recorded by this worker incarnation (same host)."""
 
     def is_live(node: str | None, incarnation: str | None, pid: int | None) -> bool:
-        if pid == my_pid:
-            return identity.executing_here(work_key)
+        if pid == my_pid:  # running here, or ended here with its result not yet committed
+            return identity.executing_here(work_key) or finishes.handed_here(work_key)
         return identity.pid_alive(pid)
 
     return is_live
