@@ -25,7 +25,7 @@ Points, in the order a task reaches them:
 ``after_finish_handed``
     a pool process handed its result to the main process (``tasks/finishes.py``), which has
     not committed it: a whole-worker kill loses it, and the copy runs the body again (store
-    effects once; with a result backend holding SUCCESS, it records that instead).
+    effects once).
 ``after_failed``
     the body raised and ``failed`` is committed, Celery not yet told (no FAILURE stored, no
     errback run, no chord part counted): the redelivered copy must replay the failure.

@@ -338,10 +338,12 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _hand_finish(self, work_key: str, epoch: int, result_json: str) -> bool:
         """Hand the result to the main process's group commit (``tasks/finishes.py``): only
-        a claim it handed and surely still this worker's, for a request with no canvas."""
+        a claim it handed and surely still this worker's, for a request whose result nobody
+        is told (no result stored: the store's ``done`` still comes before any SUCCESS a
+        caller can read) and with no canvas."""
         x = self.execution
         return (x.handed and handed.still_own(x.handed_generation)
-                and not _has_canvas(self.request)
+                and not self._stores_results() and not _has_canvas(self.request)
                 and finishes.hand(work_key, epoch, result_json))
 
     def _hand_back(self, rt: Runtime, epoch: int, ctx: dict[str, Any],
