@@ -34,6 +34,7 @@ import mmap
 import os
 import select
 import time
+from itertools import islice
 
 from celery_resilient.store.batched_takes import Finish
 
@@ -83,10 +84,12 @@ def hand(work_key: str, epoch: int, result_json: str | None) -> bool:
     except (BlockingIOError, OSError):
         return False
     now = time.monotonic()
-    if len(_handed) >= 1024:  # forget what the main process committed long ago
-        for key in [k for k, at in _handed.items() if now - at > REMEMBER_SECONDS]:
-            del _handed[key]
+    _handed.pop(work_key, None)  # to the end: the dict stays in the order handed
     _handed[work_key] = now
+    for key, at in list(islice(_handed.items(), 2)):  # forget the oldest, a few per call
+        if now - at <= REMEMBER_SECONDS:
+            break
+        del _handed[key]
     return True
 
 
