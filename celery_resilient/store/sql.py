@@ -1142,7 +1142,8 @@ class Store:
     def reconcile(self, owner: Owner, pid_alive: Callable[[int | None], bool] | None = None,
                   held: frozenset[str] | None = None, executing: frozenset[str] | None = None,
                   grace_seconds: float = 5.0, resent: frozenset[str] = frozenset(),
-                  resend_hold: float = 60.0, lease_seconds: float = 30.0) -> int:
+                  resend_hold: float = 60.0, lease_seconds: float = 30.0,
+                  finishing: frozenset[str] = frozenset()) -> int:
         """Release this incarnation's claims that run nowhere; return how many.
 
         The incarnation's lease keeps every claim it names alive, so a claim whose execution
@@ -1160,6 +1161,9 @@ class Store:
           without the work ending), and not re-sent, loses its owner: the next sweep
           re-publishes it.
 
+        Claims whose bodies ended here and whose results the worker's main process has not
+        committed yet (``finishing``, by work key: the group commit) are left alone.
+
         The claims of eager executions (``task.apply()`` inside a task) of this worker's
         live processes get their own lease renewed (``lease_seconds``).
         """
@@ -1175,6 +1179,8 @@ class Store:
             lapse: list[tuple[str, int, str]] = []
             let_go: list[tuple[str, int, float]] = []
             for r in rows:
+                if r.work_key in finishing:
+                    continue  # ended here: its result is on its way to the store
                 if r.state == RESERVED:
                     if held is not None and r.task_id not in held and r.task_id not in resent:
                         lapse.append((r.work_key, int(r.epoch), "its message is no longer held"))

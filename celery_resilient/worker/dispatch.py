@@ -156,11 +156,39 @@ class BatchedDispatch:
         with self._lock:
             self._parked.clear()
             self._after_release.clear()
+        # Finished requests (their acks waiting, or their results handed over) are not
+        # Celery's any more, but their claims end with their results, not go back.
+        finished = self._finished_requests()
         self._unflushed.clear()  # their delivery tags died with the connection
         self._flushed.clear()
         if known is not None:
             gone = [r for r in list(self._claims) if r.id not in known]
-            self._give_back(gone)
+            for request in [r for r in gone if r in finished]:
+                self._claims.pop(request, None)
+            self._give_back([r for r in gone if r not in finished])
+
+    def finishing(self) -> frozenset[str]:
+        """Work keys whose bodies ended here and whose ends are not settled yet: a result
+        handed over and not committed, or an acknowledgement waiting for a flush. Their
+        claims still read ``running`` and no request executes them, yet they must not be
+        let go (the maintainer's reconcile asks this after reading what executes)."""
+        with self._finish_lock:
+            self._collect()
+            keys = set(self._finishes)
+        for request in self._finished_requests():
+            claim = self._claims.get(request)
+            if claim is not None:
+                keys.add(claim[0])
+        return frozenset(keys)
+
+    def _finished_requests(self) -> set[Any]:
+        """Requests whose acknowledgement waits here, or whose result this process holds."""
+        with self._finish_lock:
+            self._collect()
+            pending = set(self._finishes)
+        finished = {entry[0] for entry in (*self._unflushed, *self._flushed)}
+        finished.update(r for r, claim in list(self._claims.items()) if claim[0] in pending)
+        return finished
 
     def accepts(self) -> bool:
         return not self._stopping and self._hub is not None

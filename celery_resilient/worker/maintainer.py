@@ -177,10 +177,14 @@ class Maintainer(threading.Thread):
     def reconcile(self) -> int:
         """Release this worker's claims that run nowhere (see ``Store.reconcile``)."""
         cfg = self.rt.config
+        executing = executing_task_ids()
+        # after what executes: a body that ended since has its result handed over by now
+        dispatcher = self.rt.dispatcher
+        finishing = dispatcher.finishing() if dispatcher is not None else frozenset()
         return self.rt.store.reconcile(
-            self.owner, identity.pid_alive, self.rt.held.snapshot(), executing_task_ids(),
+            self.owner, identity.pid_alive, self.rt.held.snapshot(), executing,
             EXECUTING_GRACE_SECONDS, self.rt.resent.snapshot(self.store_down_at()),
-            2 * cfg.store_retry_max + cfg.sweep_interval, cfg.lease_seconds)
+            2 * cfg.store_retry_max + cfg.sweep_interval, cfg.lease_seconds, finishing)
 
     def run(self) -> None:
         cfg = self.rt.config

@@ -119,3 +119,29 @@ def test_what_the_pipe_does_not_take_the_pool_process_finishes_itself(
     finishes.accepting(False)
     assert not _in_a_pool_process("late", 1, 1)
     assert finishes.Reader().drain() == []
+
+
+def test_a_lost_connection_leaves_a_claim_whose_result_is_pending_to_its_result(
+        pg_store: Store, channel: None) -> None:
+    """Celery no longer knows a finished request; the consumer's connection drops (or a
+    warm shutdown stops it) before the result was committed: its claim is not handed back
+    (the result would be refused and the body run again, as a review found), the result is
+    committed, and the maintainer's reconcile is told the work is finishing."""
+    me = started(pg_store, Owner("gc@test", "inc-detach", os.getpid()))
+    epoch = _taken(pg_store, me, "det")["det"]
+    config = SimpleNamespace(submit_timeout=60.0, lease_seconds=30.0, max_attempts=5)
+    d = BatchedDispatch(SimpleNamespace(store=pg_store, config=config),  # type: ignore[arg-type]
+                        me)
+    finishes.accepting(True)  # the dispatcher's thread is not started: nothing commits yet
+    request = Observed("t-det", pg_store, "det")
+    d._claims[request] = ("det", epoch)
+    assert _in_a_pool_process("det", epoch, "r")
+    assert d.finishing() == frozenset({"det"})
+    d.detach(known=set())
+    d._release_claims()  # what the thread would hand back
+    row = pg_store.get_work("det")
+    assert row is not None and (row.state, row.epoch) == ("running", epoch)
+    assert d._commit_finishes()
+    row = pg_store.get_work("det")
+    assert row is not None and row.state == "done"
+    assert request not in d._claims

@@ -59,6 +59,19 @@ def test_running_claims_not_executing_are_let_go_after_the_grace(store: Store) -
     assert store.reconcile(me, executing=None, grace_seconds=0) == 0
 
 
+def test_a_claim_whose_result_waits_for_the_group_commit_is_not_let_go(store: Store) -> None:
+    """Its body ended (no request executes it) and its pool process is alive, but its result
+    waits in the main process for the next statement (a store outage can make that seconds):
+    it is not an execution that ended without an outcome."""
+    me = started(store, owner("w@host"))
+    run(store, "finishing", me, task_id="t-fin")
+    run(store, "ended", me, task_id="t-ended")
+    assert store.reconcile(me, executing=frozenset(), grace_seconds=0,
+                           finishing=frozenset({"finishing"})) == 1
+    assert store.get_work("finishing").state == "running"  # type: ignore[union-attr]
+    assert store.get_work("ended").state == "requeued"  # type: ignore[union-attr]
+
+
 def test_held_requests_count_copies_of_one_task_id() -> None:
     held = HeldRequests()
     held.add("t")  # the original
