@@ -145,6 +145,20 @@ def test_worker_with_a_bad_store_fails_at_startup_with_a_clear_error(
     assert " ready." not in logs, "the worker started consuming without its store"
 
 
+def _killed_at_then_done(env: Env, tmp_path: Path, point: str, task: str, *args: object,
+                         task_id: str) -> tuple[LocalWorker, str]:
+    """A worker armed to kill itself at ``point`` (once), ``task`` sent to it; once the kill
+    fired, the worker is restarted and the work waited for to end ``done``."""
+    once = tmp_path / f"killed-{point.replace(':', '-')}"
+    worker = env.worker(RESILIENT_KILL_AT=point, RESILIENT_KILL_ONCE=str(once))
+    key = env.send(task, *args, task_id=task_id)
+    wait_for(lambda: worker.process.status == "exited", 60, f"the {point} kill point to fire")
+    assert once.read_text().startswith(point)
+    worker.restart()
+    wait_for(lambda: env.state(key) == "done", 60, "the work to finish after the restart")
+    return worker, key
+
+
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_kill_points_after_effect_and_before_ack(make_env: Callable[..., Env], broker: str,
                                                  redis_url: str, amqp_url: str,
@@ -153,13 +167,8 @@ def test_kill_points_after_effect_and_before_ack(make_env: Callable[..., Env], b
     then right after a task's result commits (before the broker ack)."""
     env = make_env(redis_url if broker == "redis" else amqp_url)
     env.store.migrate()
-    once = tmp_path / "killed-after-effect"
-    worker = env.worker(RESILIENT_KILL_AT="after_effect:2", RESILIENT_KILL_ONCE=str(once))
-    key = env.send("steps", 0.0, task_id="kp-steps")
-    wait_for(lambda: worker.process.status == "exited", 60, "the kill point to fire")
-    assert once.read_text().startswith("after_effect:2")
-    worker.restart()
-    wait_for(lambda: env.state(key) == "done", 60, "the steps task to finish after the kill")
+    worker, _ = _killed_at_then_done(env, tmp_path, "after_effect:2", "steps", 0.0,
+                                     task_id="kp-steps")
     steps = [(e["step"], e["epoch"]) for e in effect_log.entries() if e["effect"] == "step"]
     # step a: once; step b: its effect ran, its marker did not commit: run again by epoch 2
     assert steps == [("a", 1), ("b", 1), ("b", 2), ("c", 2)], steps
@@ -189,13 +198,8 @@ def test_a_result_handed_over_and_lost_with_its_worker_runs_again_with_effects_o
     ends done once, and the ack of the copy's result waits for its own commit."""
     env = make_env(redis_url if broker == "redis" else amqp_url)
     env.store.migrate()
-    once = tmp_path / "killed-after-finish-handed"
-    worker = env.worker(RESILIENT_KILL_AT="after_finish_handed", RESILIENT_KILL_ONCE=str(once))
-    key = env.send("steps", 0.0, task_id="handed-steps")
-    wait_for(lambda: worker.process.status == "exited", 60, "the kill point to fire")
-    assert once.read_text().startswith("after_finish_handed")
-    worker.restart()
-    wait_for(lambda: env.state(key) == "done", 60, "the work to finish after the restart")
+    _, key = _killed_at_then_done(env, tmp_path, "after_finish_handed", "steps", 0.0,
+                                  task_id="handed-steps")
     starts = [e["epoch"] for e in effect_log.entries() if e["effect"] == "start"]
     steps = [(e["step"], e["epoch"]) for e in effect_log.entries() if e["effect"] == "step"]
     assert starts == [1, 2], f"the body ran again after the lost result: {starts}"
