@@ -34,7 +34,7 @@ KILLS = 20
 
 
 @pytest.fixture
-def beatproj(resilient_nodes: NodeFactory, redis_url: str, pg_url: str, table_prefix: str,
+def beatproj(table_prefix: str, resilient_nodes: NodeFactory, redis_url: str, pg_url: str,
              queue_name: str, effect_log: EffectLog) -> Iterator[BeatProject]:
     project = BeatProject(resilient_nodes, redis_url, pg_url, table_prefix, queue_name,
                           effect_log)

@@ -84,7 +84,7 @@ def broker_url(request: pytest.FixtureRequest, redis_url: str, amqp_url: str) ->
 
 
 @pytest.fixture
-def make_project(resilient_nodes: NodeFactory, table_prefix: str, queue_name: str,
+def make_project(table_prefix: str, resilient_nodes: NodeFactory, queue_name: str,
                  pg_url: str) -> Iterator[Callable[..., Project]]:
     made: list[Project] = []
 

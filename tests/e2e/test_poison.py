@@ -58,7 +58,7 @@ class Env:
 
 
 @pytest.fixture
-def make_env(resilient_nodes: NodeFactory, pg_url: str, table_prefix: str,
+def make_env(table_prefix: str, resilient_nodes: NodeFactory, pg_url: str,
              queue_name: str) -> Iterator[Callable[..., Env]]:
     made: list[Env] = []
 
