@@ -27,7 +27,7 @@ from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import PROVEN_DEAD, SESSION_ALIVE, UNJUDGED
 from celery_resilient.tasks import finishes
-from celery_resilient.worker import checks, holding_sweep
+from celery_resilient.worker import checks, holding_sweep, pool_drain
 from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.dispatch import BatchedDispatch
 from celery_resilient.worker.fencing import FencingGuard
@@ -160,6 +160,8 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.maintainer.give_back_first()
         self.maintainer.start()
         self.dispatch = _batched_dispatch(rt, owner, worker)
+        # a warm shutdown drains the jobs already written to pool processes (an upstream bug)
+        pool_drain.keep_written_jobs(getattr(worker, "pool", None))
         log.info("celery-resilient: batched_takes=%s", "on" if self.dispatch is not None else
                  "off (resilient_batched_takes, or not a prefork pool on the event loop)",
                  extra={"action": "startup"})
