@@ -172,10 +172,8 @@ class BatchedDispatch:
         handed over and not committed, or an acknowledgement waiting for a flush. Their
         claims still read ``running`` and no request executes them, yet they must not be
         let go (the maintainer's reconcile asks this after reading what executes)."""
-        with self._finish_lock:
-            self._collect()
-            keys = set(self._finishes)
-        for request in self._finished_requests():
+        keys = self._pending_results()
+        for request in self._acks_waiting():
             claim = self._claims.get(request)
             if claim is not None:
                 keys.add(claim[0])
@@ -183,12 +181,19 @@ class BatchedDispatch:
 
     def _finished_requests(self) -> set[Any]:
         """Requests whose acknowledgement waits here, or whose result this process holds."""
-        with self._finish_lock:
-            self._collect()
-            pending = set(self._finishes)
-        finished = {entry[0] for entry in (*self._unflushed, *self._flushed)}
+        pending = self._pending_results()
+        finished = self._acks_waiting()
         finished.update(r for r, claim in list(self._claims.items()) if claim[0] in pending)
         return finished
+
+    def _pending_results(self) -> set[str]:
+        """Work keys of the results handed over and not committed yet."""
+        with self._finish_lock:
+            self._collect()
+            return set(self._finishes)
+
+    def _acks_waiting(self) -> set[Any]:
+        return {entry[0] for entry in (*self._unflushed, *self._flushed)}
 
     def accepts(self) -> bool:
         return not self._stopping and self._hub is not None
