@@ -208,6 +208,33 @@ def test_a_result_handed_over_and_lost_with_its_worker_runs_again_with_effects_o
     assert row is not None and (row.state, row.epoch) == ("done", 2)
 
 
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_a_pool_process_killed_after_handing_its_result_over_runs_nothing_again(
+        make_env: Callable[..., Env], broker: str, redis_url: str, amqp_url: str,
+        tmp_path: Path, effect_log: EffectLog) -> None:
+    """Only the pool process dies, after it handed its result over and before Celery heard
+    of it (``RESILIENT_KILL_SCOPE=process``): the main process lives on and commits the
+    result it holds, and the copy Celery requeues for the lost worker finds the work done.
+    Nothing runs again, and the death is not counted against the work."""
+    env = make_env(redis_url if broker == "redis" else amqp_url)
+    env.store.migrate()
+    once = tmp_path / "killed-pool-process"
+    worker = env.worker(RESILIENT_KILL_AT="after_finish_handed", RESILIENT_KILL_SCOPE="process",
+                        RESILIENT_KILL_ONCE=str(once))
+    key = env.send("steps", 0.0, task_id="handed-then-child-killed")
+    wait_for(once.exists, 60, "the pool process to die after its hand-over")
+    wait_for(lambda: env.state(key) == "done", 30, "the handed result to be committed")
+    wait_for(lambda: "already done" in worker.process.logs(), 30,
+             "the requeued copy to be answered from the store")
+    assert worker.process.status == "running", "the main process lives on"
+    starts = [e["epoch"] for e in effect_log.entries() if e["effect"] == "start"]
+    steps = [(e["step"], e["epoch"]) for e in effect_log.entries() if e["effect"] == "step"]
+    assert starts == [1], f"the body ran again: {starts}"
+    assert steps == [("a", 1), ("b", 1), ("c", 1)], steps
+    row = env.store.get_work(key)
+    assert row is not None and (row.state, row.epoch, row.deaths) == ("done", 1, 0), row
+
+
 def test_a_duplicate_after_a_result_handed_over_is_not_run_again(
         make_env: Callable[..., Env], redis_url: str, effect_log: EffectLog) -> None:
     """Each task id delivered twice, back to back, no kill: the copy that a pool process
