@@ -23,6 +23,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.worker import pool_drain
 from celery_resilient.worker.dispatch import BatchedDispatch
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,9 @@ class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # On Redis what the old connection fetched is still in this incarnation's holding:
         # the maintainer gives back what Celery forgot (HoldingSweep.reconcile_own).
         rt.broker_lost_at = time.time()
-        known = known_task_ids()
+        # with the jobs the pool still holds: at a warm shutdown it drains jobs Celery's
+        # close forgot (pool_drain.py), and their claims end with them
+        known = known_task_ids() | pool_drain.pending_task_ids(getattr(consumer, "pool", None))
         if isinstance(rt.dispatcher, BatchedDispatch):
             rt.dispatcher.detach(known)
         dropped = rt.held.retain(known)

@@ -164,7 +164,13 @@ class BatchedDispatch:
         if known is not None:
             gone = [r for r in list(self._claims) if r.id not in known]
             for request in [r for r in gone if r in finished]:
-                self._claims.pop(request, None)
+                claim = self._claims.pop(request, None)
+                # Celery dropped it before hearing that it started (its pool job was
+                # flushed): it holds its key no more, or the copies the broker delivers
+                # again would wait behind it for ever
+                with self._lock:
+                    if claim is not None and self._unstarted.get(claim[0]) is request:
+                        del self._unstarted[claim[0]]
             self._give_back([r for r in gone if r not in finished])
 
     def finishing(self) -> frozenset[str]:

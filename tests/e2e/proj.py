@@ -62,7 +62,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return rows
 
     @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.short")
-    def short(self: ResumableTask, n: int) -> int:
+    def short(self: ResumableTask, n: int, blob: str = "") -> int:
+        """One effect; ``blob`` only makes the message as big as a test needs."""
         effects.record(f"short:{self.work_key}")
         return n * 2
 
