@@ -145,3 +145,27 @@ def test_a_lost_connection_leaves_a_claim_whose_result_is_pending_to_its_result(
     row = pg_store.get_work("det")
     assert row is not None and row.state == "done"
     assert request not in d._claims
+
+
+def test_a_finished_request_celery_dropped_before_it_started_holds_its_key_no_more(
+        pg_store: Store, channel: None) -> None:
+    """The pool ran a request and handed its result over, but Celery dropped its pool job at
+    a lost connection before hearing that it started (the pool's flush), so the dispatcher
+    never marked it started. Once detached it must not hold its key: the copies the broker
+    delivers again would wait behind it for ever (a review: a live worker at prefetch 1 ran
+    nothing more after a Redis connection cut)."""
+    me = started(pg_store, Owner("gc@test", "inc-unstarted", os.getpid()))
+    epoch = _taken(pg_store, me, "uns")["uns"]
+    config = SimpleNamespace(submit_timeout=60.0, lease_seconds=30.0, max_attempts=5)
+    d = BatchedDispatch(SimpleNamespace(store=pg_store, config=config),  # type: ignore[arg-type]
+                        me)
+    finishes.accepting(True)
+    request = Observed("t-uns", pg_store, "uns")
+    d._claims[request] = ("uns", epoch)
+    d._unstarted["uns"] = request  # handed on, never heard to start
+    assert _in_a_pool_process("uns", epoch, "r")
+    d.detach(known=set())
+    assert "uns" not in d._unstarted, "copies of its key would be parked behind it"
+    assert d._commit_finishes()
+    row = pg_store.get_work("uns")
+    assert row is not None and row.state == "done"

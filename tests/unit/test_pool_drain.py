@@ -89,3 +89,32 @@ def test_a_pool_without_a_flush_is_left_alone() -> None:
 
     assert not pool_drain.keep_written_jobs(Solo())
     assert not pool_drain.keep_written_jobs(None)
+
+
+def test_a_closing_pool_finishes_a_write_it_began_then_keeps_the_job() -> None:
+    """A message larger than a pipe's buffer is written in parts: the rest is written before
+    Celery's flush, which would drop it (its pool process would wait for it for ever)."""
+    written: list[int] = []
+
+    def write_in_parts() -> Iterator[None]:
+        written.append(1)
+        yield
+        written.append(2)
+
+    writer = write_in_parts()
+    next(writer)  # the first part is in the pipe
+    job = Job(7, write_to=Process(), writer=writer)
+    job.correlation_id = "task-7"  # type: ignore[attr-defined]
+    pool = Pool(CLOSE, [job], {writer})
+
+    def flush_writer(process: Process, gen: Iterator[None]) -> None:
+        for _ in gen:
+            pass
+        pool._active_writers.discard(gen)
+
+    pool._flush_writer = flush_writer  # type: ignore[attr-defined]
+    task_pool = TaskPool(pool)
+    assert pool_drain.keep_written_jobs(task_pool)
+    task_pool.flush()
+    assert written == [1, 2] and sorted(pool._cache) == [7]
+    assert pool_drain.pending_task_ids(task_pool) == {"task-7"}
