@@ -234,6 +234,17 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                 raise ConfigurationError(str(exc)) from None
         self._statics = set(schedule)
         super().setup_schedule()
+        self._open_store()
+
+    def _open_store(self) -> None:
+        """Open the store (its schema checked, or made on SQLite) as beat starts, not in its
+        first tick: a tick decides what is due against the clock, and a first tick that also
+        ran the migrations took 100-170 ms of it. A store down now is retried by the ticks."""
+        try:
+            _ = self.resilient.store
+        except StoreUnavailable as exc:
+            log.warning("beat: store unavailable at start (%s); the ticks retry it", exc,
+                        extra={"action": "store_unavailable"})
 
     # -- the loop ---------------------------------------------------------------------------
 
