@@ -226,12 +226,16 @@ def test_catchup_policies(beatproj: BeatProject, policy: str, cap: int | None) -
     skipped = sorted(datetime.fromisoformat(s) for s in logged(beat, "skipped"))
     assert len(skipped) >= 2, f"the outage's slots were not skipped: {skipped}"
     assert not set(skipped) & set(slots), "a skipped slot ran"
-    assert all(killed - beatproj.step < s.timestamp() < restarted for s in skipped)
     # The policy applies to every slot due when the restarted beat first ticks: the late ones
     # and, when the tick lands just after a slot, that on-time slot too (it counts as the
     # latest). So: runs among the slots due at that tick = 1 (latest), 2 (cap) or only an
     # on-time one (skip); every late slot is either skipped or caught up.
     tick = first_log_time(beat, "skipped (", start=2)
+    # Skipped: slots that fell due from the kill to that first tick (logged just after it
+    # decided). A loaded machine can take more than a step from "beat: Starting..." (when
+    # the restart returns) to the first tick: the slot due meanwhile is missed too (a CI run).
+    assert all(killed - beatproj.step < s.timestamp() <= tick for s in skipped), (
+        skipped, killed, restarted, tick)
     took_over = first_log_time(beat, "Acquired lock", start=2)
     due = [s for s in slots if killed < s.timestamp() <= tick]
     if policy == "skip":
