@@ -74,8 +74,7 @@ def finish_started_writes(pool: Any) -> None:
     if flush_writer is None:
         return
     for job in list(pool._cache.values()):
-        writer_ref = getattr(job, "_writer", None)
-        writer = writer_ref() if writer_ref is not None else None
+        writer = _writer_of(job)
         process = getattr(job, "_write_to", None)
         if (writer is None or writer not in pool._active_writers or process is None
                 or inspect.getgeneratorstate(writer) == inspect.GEN_CREATED):
@@ -92,9 +91,14 @@ def written_to_live(pool: Any, job: Any) -> bool:
     process = getattr(job, "_write_to", None)
     if process is None or not process._is_alive():
         return False
-    writer_ref = getattr(job, "_writer", None)
-    writer = writer_ref() if writer_ref is not None else None
+    writer = _writer_of(job)
     return writer is None or writer not in pool._active_writers
+
+
+def _writer_of(job: Any) -> Any:
+    """The generator writing ``job`` to its pool process (a weak reference), if it lives."""
+    writer_ref = getattr(job, "_writer", None)
+    return writer_ref() if writer_ref is not None else None
 
 
 def pending_task_ids(task_pool: Any) -> set[str]:
