@@ -65,14 +65,18 @@ def test_a_warm_shutdown_leaves_each_prefetched_message_once(
     project = make_project(redis_url)
     project.extra = {**FAST, "worker_prefetch_multiplier": 10, "resilient_submit_timeout": 60}
     worker = project.worker(concurrency=1)
+    # the sweeping peer starts first: on a loaded machine its start took longer than the
+    # long job's body, which then ended before the SIGTERM it is there to meet
+    peer = project.nodes.worker("tests.e2e.proj", name="peer", queues=(f"{project.queue}-x",),
+                                env={**project.env(), "RESILIENT_QUEUE": f"{project.queue}-x"})
+    wait_for(lambda: " ready." in peer.process.logs(), 30, "the peer to run")
     long = project.send("ingest", 40, 0.1, task_id="job-long")
     waiting = [project.send("short", n, task_id=f"waiting-{n}") for n in range(6)]
     wait_for(lambda: _checkpointed(project, long) >= 2, 30, "the long job to checkpoint")
     wait_for(lambda: all(project.prefetched(k) for k in waiting), 30, "six jobs prefetched")
-    peer = project.nodes.worker("tests.e2e.proj", name="peer", queues=(f"{project.queue}-x",),
-                                env={**project.env(), "RESILIENT_QUEUE": f"{project.queue}-x"})
-    wait_for(lambda: " ready." in peer.process.logs(), 30, "the peer to run")
     worker.process.kill("SIGTERM", group=False)
+    # what the assertions below count: the long job was still running at the SIGTERM
+    assert _checkpointed(project, long) < 40 and not project.all_done([long])
     wait_for(lambda: worker.process.status == "exited", 60, "the worker to exit")
     queued = redis.Redis.from_url(redis_url)
     try:
