@@ -1,15 +1,18 @@
-"""Canvas under random SIGKILLs: ResumableTask against plain Celery ``acks_late``, one run.
+"""Canvas under random SIGKILLs and deploys: ResumableTask against plain Celery ``acks_late``.
 
 Chords, chains, groups of chains, chains ending in a chord and chords whose header fails
 (``link_error`` on the body) are sent to real workers (Redis broker and result backend with
 their defaults: a one-hour visibility timeout; PostgreSQL store; no durable submit), which are
 SIGKILLed at random (whole process group, restarted at once under the same node name, or one
-pool process). Afterwards, with no more kills, every canvas has a deadline to end. Counted
+pool process) and deployed at random (SIGTERM to the main process only, as a deploy does; a
+warm shutdown longer than 30 s is counted as slow, then SIGKILLed; started again once it has
+exited). Afterwards, with no more of either, every canvas has a deadline to end. Counted
 per canvas kind: hung (its result not ready by the deadline), wrong (a result other than the
 expected one), and from the effect log (one fsync'd line per completed body): chord bodies run
 more than once, errbacks run 0 or 2+ times.
 
-    python benchmarks/canvas_chaos.py [--seeds 1 2 3] [--kills 12] [--modes resumable plain]
+    python benchmarks/canvas_chaos.py [--seeds 1 2 3] [--kills 12] [--deploys 4]
+                                      [--modes resumable plain]
 
 Prints a markdown table per mode and ``CANVAS-SUMMARY <json>`` lines (tests/chaos).
 """
@@ -17,11 +20,14 @@ Prints a markdown table per mode and ``CANVAS-SUMMARY <json>`` lines (tests/chao
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import random
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +48,8 @@ sys.path.insert(0, str(HERE))
 REDIS = os.environ.get("CANVAS_REDIS", "redis://127.0.0.1:6379/14")  # broker and backend
 PG = os.environ.get("RESILIENT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 KINDS = ("chord", "chain", "group of chains", "chain to chord", "chord link_error")
+#: seconds from a deploy's SIGTERM to its worker's exit; longer is a slow deploy (a hang)
+DEPLOY_LIMIT = 30.0
 
 
 def _client(env: dict[str, str]) -> Any:
@@ -121,8 +129,37 @@ def _kill_one(fleet: list[Worker], rng: random.Random, figures: Counter[str],
     worker.start()
 
 
+def _deploy_one(fleet: list[Worker], rng: random.Random, figures: Counter[str],
+                starts: Counter[str], log_dir: Path, exits: list[float], app: Any,
+                results: list[Any]) -> None:
+    """One deploy a random while from now: SIGTERM to a worker's main process only (its
+    pool processes get what Celery's warm shutdown gives them), then started again. The
+    worker is first seen answering a ping: a SIGTERM to one still starting proves nothing."""
+    time.sleep(rng.uniform(0.5, 3.0))  # the deploy schedule, not a wait
+    worker = fleet[rng.randrange(len(fleet))]
+    assert worker.proc is not None
+    node = f"{worker.name}@{socket.gethostname()}"
+    wait_for(lambda: app.control.ping(destination=[node], timeout=0.5), 90,
+             f"{node} to answer a ping before its deploy")
+    figures["deploys_mid_canvas"] += not all(_ready(r) for r in results)
+    sent = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    try:
+        worker.proc.wait(timeout=DEPLOY_LIMIT)
+    except subprocess.TimeoutExpired:
+        figures["deploys_slow"] += 1
+    exits.append(round(time.monotonic() - sent, 2))
+    with contextlib.suppress(ProcessLookupError):  # a slow one, or a pool process left
+        os.killpg(worker.proc.pid, signal.SIGKILL)
+    worker.proc.wait()
+    figures["deploys"] += 1
+    starts[worker.name] += 1
+    worker.log_path = log_dir / f"{worker.name}.{starts[worker.name]}.log"
+    worker.start()
+
+
 def run(mode: str, seed: int, kills: int, workers: int, scale: int, deadline: float,
-        workdir: Path) -> dict[str, Any]:
+        workdir: Path, deploys: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     queue = f"canvas-{mode}-{uuid.uuid4().hex[:6]}"
     prefix = f"cc_{uuid.uuid4().hex[:6]}_"
@@ -141,14 +178,23 @@ def run(mode: str, seed: int, kills: int, workers: int, scale: int, deadline: fl
     canvas = _client(env)
     app = canvas.app
     figures: Counter[str] = Counter()
+    exits: list[float] = []
+    disruptions = ["kill"] * kills + ["deploy"] * deploys
+    rng.shuffle(disruptions)
+    if deploys:  # the first is a deploy: at least one lands while the canvases run
+        disruptions.remove("deploy")
+        disruptions.insert(0, "deploy")
     try:
         wait_for(lambda: len(app.control.ping(timeout=0.5)) >= workers, 90,
                  "every worker to answer a ping")
         sent = _send(canvas, rng, scale)
-        for _ in range(kills):
-            _kill_one(fleet, rng, figures, starts, log_dir)
-        end = time.monotonic() + deadline
         results = [r for _, _, r, _ in sent]
+        for disruption in disruptions:
+            if disruption == "kill":
+                _kill_one(fleet, rng, figures, starts, log_dir)
+            else:
+                _deploy_one(fleet, rng, figures, starts, log_dir, exits, app, results)
+        end = time.monotonic() + deadline
         while time.monotonic() < end and not all(_ready(r) for r in results):
             time.sleep(0.5)  # polling the backend until the deadline
         tally = _tally(sent, EffectLog(effects_path))
@@ -159,7 +205,8 @@ def run(mode: str, seed: int, kills: int, workers: int, scale: int, deadline: fl
         close_result_client(app)
         store.dispose()
         _clean(queue)
-    return {"mode": mode, "seed": seed, **figures, **tally}
+    return {"mode": mode, "seed": seed, **figures, "deploy_exit_seconds": exits,
+            "deploy_exit_max_seconds": max(exits, default=0.0), **tally}
 
 
 def _tally(sent: list[tuple[str, str, Any, Any]], log: EffectLog) -> dict[str, Any]:
@@ -195,6 +242,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--modes", nargs="+", default=["resumable", "plain"])
     parser.add_argument("--kills", type=int, default=12)
+    parser.add_argument("--deploys", type=int, default=4,
+                        help="SIGTERMs to a worker's main process, among the kills")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--scale", type=int, default=3, help="canvases per kind, x1-x4")
     parser.add_argument("--deadline", type=float, default=60)
@@ -204,7 +253,7 @@ def main() -> None:
     for seed in args.seeds:
         for mode in args.modes:
             summary = run(mode, seed, args.kills, args.workers, args.scale, args.deadline,
-                          workdir)
+                          workdir, deploys=args.deploys)
             summaries.append(summary)
             print("CANVAS-SUMMARY " + json.dumps(summary), flush=True)
     print(machine())
@@ -214,9 +263,13 @@ def main() -> None:
         cells = [f"{s['table'][k].get('hung', 0)}/{s['table'][k].get('wrong', 0)} of "
                  f"{s['table'][k].get('sent', 0)}" for k in KINDS]
         rows.append([s["mode"], s["seed"], s.get("kills_group", 0) + s.get("kills_child", 0),
+                     f"{s.get('deploys', 0)} ({s.get('deploys_mid_canvas', 0)} mid-canvas, "
+                     f"{s.get('deploys_slow', 0)} slow, max "
+                     f"{s['deploy_exit_max_seconds']:.1f}s)",
                      *cells, s["chord_body_twice"],
                      f"{s['errback_lost']}/{s['errback_twice']}"])
-    print(markdown_table(["mode", "seed", "kills", *(f"{k} hung/wrong" for k in KINDS),
+    print(markdown_table(["mode", "seed", "kills", "deploys",
+                          *(f"{k} hung/wrong" for k in KINDS),
                           "chord bodies twice", "errbacks lost/twice"], rows))
 
 

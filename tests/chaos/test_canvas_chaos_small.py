@@ -1,7 +1,9 @@
-"""Canvas under random SIGKILLs at CI size (``benchmarks/canvas_chaos.py``): chords, chains,
-groups of chains, chains ending in a chord and chords whose header fails, on 3 workers
-SIGKILLed 8 times (whole worker or one pool process), Redis broker and backend with their
-defaults, no durable submit. Nothing may hang, end wrong or run twice. The full run, with
+"""Canvas under random SIGKILLs and deploys at CI size (``benchmarks/canvas_chaos.py``):
+chords, chains, groups of chains, chains ending in a chord and chords whose header fails, on
+3 workers SIGKILLed 8 times (whole worker or one pool process) and deployed 4 times (SIGTERM
+to the main process, as a deploy does: the warm shutdown must end within 30 s), Redis broker
+and backend with their defaults, no durable submit. Nothing may hang, end wrong or run
+twice. The full run, with
 plain Celery as the baseline in its output, is the documented command in docs/reliability.md.
 """
 
@@ -18,17 +20,20 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.chaos
 
 
-@pytest.mark.timeout(330)
+@pytest.mark.timeout(430)
 def test_canvas_chaos_small() -> None:
     argv = [sys.executable, str(ROOT / "benchmarks" / "canvas_chaos.py"), "--modes",
-            "resumable", "--seeds", "5", "--kills", "8", "--scale", "1", "--deadline", "90"]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+            "resumable", "--seeds", "5", "--kills", "8", "--deploys", "4", "--scale", "1",
+            "--deadline", "90"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400,
                           check=False)
     out = done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("CANVAS-SUMMARY ")]
     assert done.returncode == 0 and lines, out[-6000:]
     summary = json.loads(lines[-1].split(" ", 1)[1])
     assert summary["kills_group"] + summary["kills_child"] == 8
+    assert summary["deploys"] == 4 and summary["deploys_mid_canvas"] >= 1, summary
+    assert summary.get("deploys_slow", 0) == 0, summary["deploy_exit_seconds"]
     assert summary["hung"] == 0 and summary["wrong"] == 0, summary["table"]
     assert summary["chord_body_twice"] == 0, summary
     assert summary["errback_lost"] == 0 and summary["errback_twice"] == 0, summary
