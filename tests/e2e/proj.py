@@ -61,12 +61,6 @@ def create_app(env: Mapping[str, str]) -> Celery:
         effects.record(f"end:{self.work_key}", epoch=self.fencing_token)
         return rows
 
-    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.short")
-    def short(self: ResumableTask, n: int, blob: str = "") -> int:
-        """One effect; ``blob`` only makes the message as big as a test needs."""
-        effects.record(f"short:{self.work_key}")
-        return n * 2
-
     @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.sleeper")
     def sleeper(self: ResumableTask, seconds: float) -> str:
         """One effect at the start, then a long sleep (outlives a short visibility timeout)."""
@@ -104,7 +98,25 @@ def create_app(env: Mapping[str, str]) -> Celery:
                 effects.record(f"refused:{kind}:{key}", epoch=self.fencing_token)
         return f"by-epoch-{self.fencing_token}"
 
+    _register_stream_tasks(app, effects)
     return app
+
+
+def _register_stream_tasks(app: Celery, effects: EffectLog) -> None:
+    """The tasks of the streams of short work (tests/e2e/test_deploys.py)."""
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.short")
+    def short(self: ResumableTask, n: int, blob: str = "") -> int:
+        """One effect; ``blob`` only makes the message as big as a test needs."""
+        effects.record(f"short:{self.work_key}")
+        return n * 2
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.retried")
+    def retried(self: ResumableTask, n: int) -> int:
+        """One effect per try; the first try retries in 0.2 s, the second returns."""
+        effects.record(f"retried:{self.work_key}:{self.request.retries}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.2, max_retries=1)
+        return n
 
 
 def _atomic_write(task: ResumableTask, effects: EffectLog, key: str) -> None:

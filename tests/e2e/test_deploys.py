@@ -8,6 +8,7 @@ finished once, each step ran once, and no two executions of one unit overlapped 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import re
@@ -17,13 +18,15 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from kombu import Connection
 from sqlalchemy import select
 
 from celery_resilient.core import messages
 from celery_resilient.core.identity import Owner
-from celery_resilient.testing import EffectLog, wait_for
+from celery_resilient.core.states import DONE, EXPIRED, REVOKED, TERMINAL_STATES
+from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.services import ThrowawayPostgres
 
@@ -334,6 +337,42 @@ def test_sigterm_as_the_store_stops_exits_promptly(
         assert all(counts[i] == 2 for i in again) and len(again) <= len(runs) - 1, counts
 
 
+def _sigterms_into_a_stream(worker: LocalWorker, send_five: Callable[[], None],
+                            effect_log: EffectLog, cycles: int) -> list[float]:
+    """``cycles`` deploys of ``worker`` while a thread calls ``send_five`` every 20 ms: each
+    SIGTERM once 200 more bodies ran, each restart at once. Returns the seconds from each
+    SIGTERM to the worker's exit, having asserted each was prompt (about 2 s here; the
+    pool's 30 s wait, or a hang, is the fault)."""
+    sending = threading.Event()
+
+    def stream() -> None:
+        while sending.is_set():
+            send_five()
+            time.sleep(0.02)
+
+    exits: list[float] = []
+    for cycle in range(cycles):
+        sending.set()
+        sender = threading.Thread(target=stream)
+        sender.start()
+        try:
+            before = len(effect_log.entries())
+            wait_for(lambda before=before: len(effect_log.entries()) >= before + 200, 60,
+                     f"cycle {cycle}: the worker to run 200 more bodies of the stream")
+            started = time.monotonic()
+            worker.process.kill("SIGTERM", group=False)
+            wait_for(lambda: worker.process.status == "exited", 60,
+                     f"cycle {cycle}: the worker to exit")
+            exits.append(time.monotonic() - started)
+        finally:
+            sending.clear()
+            sender.join()
+        worker.process.start()
+    print(f"exits after SIGTERM: {', '.join(f'{s:.1f}s' for s in exits)}")
+    assert max(exits) < 20, f"a warm shutdown waited for its pool: {exits}"
+    return exits
+
+
 @pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
 def test_sigterms_into_a_stream_of_tasks_exit_promptly_and_run_each_body_once(
         make_project: Callable[..., Project], broker_url: str, effect_log: EffectLog) -> None:
@@ -352,41 +391,98 @@ def test_sigterms_into_a_stream_of_tasks_exit_promptly_and_run_each_body_once(
     project = make_project(broker_url)
     worker = project.worker(concurrency=2)
     keys: list[str] = []
-    sending = threading.Event()
 
-    def stream() -> None:  # about 250 a second, within what two pool processes run
-        while sending.is_set():
-            for _ in range(5):
-                # one in ten larger than a pipe's buffer: the pool writes it in parts
-                big = len(keys) % 10 == 0
-                keys.append(project.send("short", len(keys), "x" * 300_000 if big else ""))
-            time.sleep(0.02)
+    def send_five() -> None:  # about 250 a second, within what two pool processes run
+        for _ in range(5):
+            # one in ten larger than a pipe's buffer: the pool writes it in parts
+            big = len(keys) % 10 == 0
+            keys.append(project.send("short", len(keys), "x" * 300_000 if big else ""))
 
-    def ran() -> int:
-        return sum(1 for e in effect_log.entries() if e["effect"].startswith("short:"))
-
-    exits: list[float] = []
-    for cycle in range(8):
-        sending.set()
-        sender = threading.Thread(target=stream)
-        sender.start()
-        try:
-            before = ran()
-            wait_for(lambda before=before: ran() >= before + 200, 60,
-                     f"cycle {cycle}: the worker to run 200 more tasks of the stream")
-            started = time.monotonic()
-            worker.process.kill("SIGTERM", group=False)
-            wait_for(lambda: worker.process.status == "exited", 60,
-                     f"cycle {cycle}: the worker to exit")
-            exits.append(time.monotonic() - started)
-        finally:
-            sending.clear()
-            sender.join()
-        worker.process.start()
-    print(f"exits after SIGTERM: {', '.join(f'{s:.1f}s' for s in exits)}")
-    # a prompt warm shutdown takes about 2 s here; the pool's 30 s wait is the fault
-    assert max(exits) < 20, f"a warm shutdown waited for its pool: {exits}"
+    _sigterms_into_a_stream(worker, send_five, effect_log, cycles=8)
     wait_for(lambda: project.all_done(keys), 120, f"all {len(keys)} tasks to finish")
     counts = effect_log.counts()
     twice = [k for k in keys if counts[f"short:{k}"] != 1]
     assert not twice, f"{len(twice)} bodies ran other than once, e.g. {twice[:3]}"
+
+
+def _ended_otherwise_than_once(project: Project, kinds: dict[str, str],
+                               counts: collections.Counter[str]) -> list[str]:
+    """Tasks of the outcome stream whose stored end and bodies run do not agree."""
+    wrong: list[str] = []
+    for key, kind in kinds.items():
+        state = project.state(key)
+        if kind == "retried":
+            runs = [counts[f"retried:{key}:{n}"] for n in (0, 1)]
+            ok = state == DONE and runs == [1, 1]
+        else:
+            runs = [counts[f"short:{key}"]]
+            allowed = {"short": {DONE}, "expires": {DONE, EXPIRED, None},
+                       "revoked": {DONE, REVOKED, None}}[kind]
+            ok = state in allowed and runs == [1 if state == DONE else 0]
+        if not ok:
+            wrong.append(f"{kind} {key}: {state}, bodies {runs}")
+    return wrong
+
+
+def test_sigterms_into_a_stream_of_revokes_expiries_and_retries_end_each_task_once(
+        make_project: Callable[..., Project], redis_url: str, effect_log: EffectLog) -> None:
+    """The deploys above, with Celery's other outcomes in the stream (Redis defaults): one
+    task in seven expires 0.5, 2 or 5 s after it is sent, one in eleven is revoked at once, one in
+    thirteen retries once. A deploy lands while each kind waits in prefetch, in the pool's
+    pipe, or in its countdown. Every task must end, and end once: a body that ran is
+    ``done`` (a retried one ran each of its two tries once), one that did not is
+    ``revoked`` or ``expired``, or has no row at all where Celery discarded its message
+    before any claim (docs/guarantees.md); a revoke broadcast while the worker was down is
+    lost, as on plain Celery, and that task runs. No body runs twice, and nothing is left
+    in the queue or held unacknowledged."""
+    project = make_project(redis_url)
+    worker = project.worker(concurrency=2)
+    kinds: dict[str, str] = {}
+
+    def send_five() -> None:
+        revoke: list[str] = []
+        for _ in range(5):
+            n = len(kinds)
+            if n % 13 == 7:
+                kinds[project.send("retried", n)] = "retried"
+            elif n % 7 == 3:
+                expires = (0.5, 2.0, 5.0)[n // 7 % 3]  # before, at and after the receipt
+                kinds[project.send("short", n, expires=expires)] = "expires"
+            else:
+                key = project.send("short", n)
+                kinds[key] = "revoked" if n % 11 == 5 else "short"
+                if n % 11 == 5:
+                    revoke.append(key)
+        if revoke:
+            project.client.control.revoke(revoke)
+
+    _sigterms_into_a_stream(worker, send_five, effect_log, cycles=5)
+    keys = list(kinds)
+    queued = redis.Redis.from_url(redis_url)
+
+    def consumed() -> bool:  # nothing left in the queue or held unacknowledged for it
+        unacked = [json.loads(entry)[2] for entry in queued.hvals("unacked")]
+        return queued.llen(project.queue) == 0 and project.queue not in unacked
+
+    def ended(key: str) -> bool:  # Celery discards a revoked or expired message unclaimed
+        state = project.state(key)
+        return state in TERMINAL_STATES or (state is None and kinds[key] != "short")
+
+    try:
+        wait_for(lambda: consumed() and all(ended(k) for k in keys), 120,
+                 f"all {len(keys)} tasks to end")
+    except WaitTimeout:
+        stuck = [(kinds[k], k, project.state(k)) for k in keys if not ended(k)]
+        by_kind = collections.Counter((kind, state) for kind, _, state in stuck)
+        pytest.fail(f"{len(stuck)} of {len(keys)} tasks did not end ({dict(by_kind)}; "
+                    f"consumed: {consumed()}), e.g. {stuck[:4]}")
+    finally:
+        queued.close()
+    wrong = _ended_otherwise_than_once(project, kinds, effect_log.counts())
+    stopped = {kind: collections.Counter(project.state(k) for k, v in kinds.items()
+                                         if v == kind and project.state(k) != DONE)
+               for kind in ("expires", "revoked")}
+    print(f"{len(keys)} tasks; not run, by state: {stopped}")
+    assert not wrong, f"{len(wrong)} tasks ended wrong, e.g. {wrong[:5]}"
+    # what the stream is there for: some revokes and expiries did stop their task
+    assert stopped["expires"] and stopped["revoked"], stopped
