@@ -120,10 +120,16 @@ def _kill_one(fleet: list[Worker], rng: random.Random, figures: Counter[str],
         os.kill(rng.choice(children), signal.SIGKILL)
         figures["kills_child"] += 1
         return
-    assert worker.proc is not None
-    os.killpg(worker.proc.pid, signal.SIGKILL)
-    worker.proc.wait()
     figures["kills_group"] += 1
+    _restart(worker, starts, log_dir)
+
+
+def _restart(worker: Worker, starts: Counter[str], log_dir: Path) -> None:
+    """SIGKILL what is left of the worker's process group, then start it again (new log)."""
+    assert worker.proc is not None
+    with contextlib.suppress(ProcessLookupError):  # after a deploy: gone already
+        os.killpg(worker.proc.pid, signal.SIGKILL)
+    worker.proc.wait()
     starts[worker.name] += 1
     worker.log_path = log_dir / f"{worker.name}.{starts[worker.name]}.log"
     worker.start()
@@ -149,13 +155,8 @@ def _deploy_one(fleet: list[Worker], rng: random.Random, figures: Counter[str],
     except subprocess.TimeoutExpired:
         figures["deploys_slow"] += 1
     exits.append(round(time.monotonic() - sent, 2))
-    with contextlib.suppress(ProcessLookupError):  # a slow one, or a pool process left
-        os.killpg(worker.proc.pid, signal.SIGKILL)
-    worker.proc.wait()
     figures["deploys"] += 1
-    starts[worker.name] += 1
-    worker.log_path = log_dir / f"{worker.name}.{starts[worker.name]}.log"
-    worker.start()
+    _restart(worker, starts, log_dir)  # a slow one is SIGKILLed there
 
 
 def run(mode: str, seed: int, kills: int, workers: int, scale: int, deadline: float,
