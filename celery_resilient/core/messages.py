@@ -205,9 +205,15 @@ def unpublishable(message_json: str | None, app: Any = None) -> str | None:
 
 
 def publish(connection: Connection, message_json: str, extra_headers: dict[str, Any],
-            app: Any = None, retries: int | None = None) -> None:
+            app: Any = None, retries: int | None = None, started: bool = False) -> None:
     """Send a stored message again, unchanged but for ``extra_headers`` and, when given,
     Celery's ``retries`` (the try the copy is sent as).
+
+    ``started``: the copy continues work whose body already ran (a warm shutdown's
+    hand-off), so it is sent without Celery's ``expires``. That option says when work may
+    no longer *start*; kept, it made the receiving worker discard a continuation as expired
+    once the time passed, leaving the work half done where plain Celery would have finished
+    it in its drain.
 
     A call form is sent through ``apply_async`` with the serializer its arguments were kept
     with; :class:`SerializationError` when they cannot be decoded here (a content type the
@@ -223,6 +229,8 @@ def publish(connection: Connection, message_json: str, extra_headers: dict[str, 
         options["headers"] = {**(options.get("headers") or {}), **extra_headers}
         if retries is not None:
             options["retries"] = retries
+        if started:
+            options.pop("expires", None)
         if serializer is not None:
             options["serializer"] = serializer
         sig.apply_async(producer=connection.Producer(), **{})  # type: ignore[no-untyped-call]
@@ -232,6 +240,8 @@ def publish(connection: Connection, message_json: str, extra_headers: dict[str, 
     headers = {**m.get("headers", {}), **extra_headers}
     if retries is not None and "task" in headers:  # protocol 2 keeps retries in the headers
         headers["retries"] = max(retries, int(headers.get("retries") or 0))
+    if started and "task" in headers:  # protocol 2 (protocol 1 messages keep theirs)
+        headers["expires"] = None
     producer: Any = connection.Producer()  # type: ignore[no-untyped-call]
     producer.publish(
         body,

@@ -383,7 +383,7 @@ class ResumableTask(Task):  # type: ignore[misc]
             try:
                 with self.app.connection_for_write() as conn:
                     messages.publish(conn, message, {messages.REPUBLISHED_HEADER: 1}, self.app,
-                                     retries=retries)
+                                     retries=retries, started=True)
                 sent = True
             except Exception as exc:
                 log.warning("hand-off of %s: re-publish failed (%s); the sweeper sends it "

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from celery_resilient.core import codec
+from celery_resilient.core.states import TERMINAL_STATES
 from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.services import ThrowawayRedis
 
@@ -317,3 +318,24 @@ def test_a_broker_restart_strands_no_prefetched_work(make_project: Callable[...,
         _assert_rows_once_but_inflight(effect_log, keys[0], 30)
     finally:
         server.destroy()
+
+
+def test_a_hand_off_after_the_tasks_expires_passed_still_finishes_the_work(
+        make_project: Callable[..., Project], redis_url: str, effect_log: EffectLog) -> None:
+    """A task sent with ``expires`` that started in time, then met a warm shutdown after
+    that time passed: its hand-off must finish the work on the other worker. Celery's
+    ``expires`` bars a start, and plain Celery finishes such a task in its drain; the
+    adversarial review saw the handed-off copy discarded as expired, the work left ``expired``
+    at row 41 of 60 (3 of 3 runs)."""
+    project = make_project(redis_url)
+    first = project.worker(name="first", concurrency=1)
+    project.worker(name="second", concurrency=1)
+    key = project.send("ingest", 40, 0.1, task_id="job-expires", expires=2)
+    wait_for(lambda: effect_log.count(f"start:{key}") == 1, 30, "the job to start")
+    # past its expires (2 s after it was sent) and well before its end (4 s of rows)
+    wait_for(lambda: _checkpointed(project, key) >= 25, 30, "the job to run past its expires")
+    first.process.kill("SIGTERM", group=False)
+    wait_for(lambda: project.state(key) in TERMINAL_STATES, 60, "the job to end")
+    assert project.state(key) == "done", project.store.get_work(key)
+    assert effect_log.count(f"start:{key}") == 2, "the hand-off did not resume elsewhere"
+    _assert_rows_once_but_inflight(effect_log, key, 40)

@@ -314,3 +314,33 @@ def test_without_expiry_edits_a_serialized_call_form() -> None:
     assert "expires" not in dropped["signature"]["options"]
     assert dropped["serialized"] == json.loads(stored)["serialized"]
     app.close()
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_started_copy_is_sent_without_its_expires(conn: Connection, started: bool) -> None:
+    """A hand-off continues work that already ran: Celery's ``expires`` (no start after it)
+    must not make the receiving worker discard it; any other copy keeps it."""
+    headers = {"id": "tid-x", "task": "proj.ingest", "retries": 0,
+               "expires": "2024-02-29T12:30:00+00:00"}
+    original, queue = _received(conn, b"[[], {}, {}]", "application/json", "utf-8", headers)
+    messages.publish(conn, messages.from_kombu(original), {"resilient_republished": 1},
+                     started=started)
+    again = _receive(conn, queue)
+    assert again.headers["expires"] == (None if started else headers["expires"])
+    assert again.headers["resilient_republished"] == 1 and again.headers["id"] == "tid-x"
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_started_call_form_copy_is_sent_without_its_expires(conn: Connection,
+                                                              started: bool) -> None:
+    app = _app("json")
+    sig = _task(app).signature((1,), {}, task_id="tid-cf", headers={"work_key": "wk"},
+                               expires=SINCE)
+    stored = messages.from_signature(sig)
+    assert stored is not None
+    queue = Queue(app.conf.task_default_queue, Exchange(app.conf.task_default_queue),
+                  routing_key=app.conf.task_default_queue)
+    queue(conn.default_channel).declare()
+    messages.publish(conn, stored, {"resilient_republished": 1}, app, started=started)
+    raw = _receive(conn, queue)
+    assert (raw.headers["expires"] is None) == started, raw.headers["expires"]
