@@ -118,6 +118,19 @@ class ResilientConfig:
         return self.lease_seconds - margin
 
     @property
+    def renewal_deadline(self) -> float:
+        """Seconds a lease renewal or liveness ping may go unanswered before it counts as
+        lost and is made again on a fresh connection (a store that stays connected and
+        answers nothing never ends it otherwise): room for two tries before the fence."""
+        return max(1.0, min(max(2.0, self.heartbeat_interval), self.fence_after / 2))
+
+    @property
+    def store_deadline(self) -> float:
+        """Seconds any one background store operation (a flush, a sweep, a prune) may go
+        unanswered before it counts as failed and is retried."""
+        return max(10.0, self.lease_seconds)
+
+    @property
     def liveness_target(self) -> str | None:
         """The URL of the liveness session, or None when the proof is off or impossible."""
         url = self.liveness_url or self.store_url

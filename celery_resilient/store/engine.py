@@ -18,6 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DisconnectionError, NoSuchModuleError
 
 from celery_resilient.errors import ConfigurationError
+from celery_resilient.store import deadlines
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "resilient_write"
@@ -76,6 +77,7 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
                                    connect_args=_connect_args(url))
         if make_url(url).get_driver_name() == "psycopg":
             event.listen(engine, "checkout", _refuse_unfinished)
+        deadlines.install(engine)
         return engine
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(

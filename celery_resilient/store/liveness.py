@@ -16,7 +16,9 @@ What the proof rests on, and what it does not cover:
   session of a client that stopped answering within about ``SERVER_DETECTS_AFTER`` seconds; the
   holder pings its session every ``PING_SECONDS`` with a ``tcp_user_timeout`` short enough to
   notice a cut first, and stops its executions before the server could free its lock
-  (self-fencing, :mod:`celery_resilient.worker.liveness_session`).
+  (self-fencing, :mod:`celery_resilient.worker.liveness_session`). A link that stays open
+  and answers nothing (a stalled proxy, a frozen server) fails each round trip after
+  ``PING_DEADLINE`` (:mod:`.deadlines`), whatever TCP says.
 - **A pooler in transaction mode** (PgBouncer) cannot carry a session: the lock would stay on
   a server connection other clients reuse, where a re-entrant acquisition by another client
   would look like a proof. ``resilient_liveness_url`` names a direct connection; a probe that
@@ -36,6 +38,7 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
+from celery_resilient.store import deadlines
 from celery_resilient.store.engine import sanitize_url
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,9 @@ log = logging.getLogger(__name__)
 CLASS_ID = 0x52455349
 #: How often the holder makes a round trip on its session.
 PING_SECONDS = 1.0
+#: Seconds a round trip on the session may go unanswered: a link that stays open and
+#: answers nothing (a stalled proxy, a frozen server) is lost after this, whatever TCP says.
+PING_DEADLINE = 2.0
 #: Client side: sent data unacknowledged this long (ms) ends the holder's connection.
 CLIENT_TCP_USER_TIMEOUT_MS = 3000
 #: Server side, per session: a silent client is declared gone after idle + interval x count.
@@ -114,12 +120,16 @@ def _connect_args(url: str) -> dict[str, Any]:
 class SessionLock:
     """This incarnation's liveness lock, on a connection of its own (never pooled)."""
 
-    def __init__(self, url: str, prefix: str, incarnation: str) -> None:
+    def __init__(self, url: str, prefix: str, incarnation: str,
+                 deadline: float = PING_DEADLINE) -> None:
         self.url = url
         self.key = lock_key(prefix, incarnation)
+        #: Seconds a round trip on the session may go unanswered before it counts as lost.
+        self.deadline = deadline
         self.engine: Engine = create_engine(url, poolclass=NullPool,
                                             isolation_level="AUTOCOMMIT",
                                             connect_args=_connect_args(url))
+        deadlines.install(self.engine)
         self._conn: Connection | None = None
         #: The server start the lock was taken on (None: not held).
         self.server: float | None = None
@@ -136,16 +146,17 @@ class SessionLock:
         """Open the session and take the lock; the server start, or None if another session
         holds it (a probe of this very moment, or a key shared with another incarnation)."""
         self.drop()
-        conn = self.engine.connect()
+        conn = self.engine.connect()  # bounded by connect_timeout
         try:
-            for name, value in SERVER_KEEPALIVES.items():
-                conn.exec_driver_sql(f"SET {name} = {int(value)}")
-            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:c, :k)"),
-                                    {"c": CLASS_ID, "k": self.key}).scalar_one())
-            if not got:
-                conn.close()
-                return None
-            self.server = server_start(conn)
+            with deadlines.bounded(self.deadline):
+                for name, value in SERVER_KEEPALIVES.items():
+                    conn.exec_driver_sql(f"SET {name} = {int(value)}")
+                got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:c, :k)"),
+                                        {"c": CLASS_ID, "k": self.key}).scalar_one())
+                if not got:
+                    conn.close()
+                    return None
+                self.server = server_start(conn)
         except Exception:
             conn.close()
             raise
@@ -158,7 +169,14 @@ class SessionLock:
         session is gone (the lock with it)."""
         if self._conn is None:
             raise ConnectionError("the liveness session is not open")
-        start = server_start(self._conn)
+        with deadlines.bounded(self.deadline) as scope:
+            try:
+                start = server_start(self._conn)
+            except Exception:
+                if scope is not None and scope.expired:
+                    raise ConnectionError(f"the liveness session did not answer within "
+                                          f"{self.deadline:g}s") from None
+                raise
         self.last_ok = time.monotonic()
         return start
 

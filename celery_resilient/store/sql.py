@@ -55,7 +55,7 @@ from celery_resilient.errors import (
     WorkKeyConflict,
     WorkStopped,
 )
-from celery_resilient.store import liveness, migrate, transient
+from celery_resilient.store import deadlines, liveness, migrate, transient
 from celery_resilient.store.batched_takes import BatchedTakes, Finish, Started, TakeRequest
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
@@ -89,7 +89,8 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        with transient.operation(fn.__qualname__):
+        with transient.operation(fn.__qualname__), \
+                deadlines.bounded(deadlines.thread_default()) as scope:
             op = transient.current_operation(fn.__qualname__)
             committed, reruns, reconnected = transient.commits(), 0, False
             handling = sys.exc_info()[1]  # the caller's, e.g. a shutdown's WorkerShutdown
@@ -100,6 +101,11 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                     interrupt = _interrupt_behind(exc, handling)
                     if interrupt is not None:
                         raise interrupt from None
+                    if scope is not None and scope.expired:
+                        raise StoreUnavailable(
+                            f"store did not answer within {scope.seconds:g}s during {op} "
+                            "(connection closed; a stalled pooler, proxy or server answers "
+                            "nothing while TCP stays up)") from exc
                     if transient.commits() == committed:
                         if transient.is_retryable(exc) and reruns < transient.RETRIES:
                             reruns += 1

@@ -13,6 +13,7 @@ import time
 
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store import deadlines
 from celery_resilient.store.sql import Store
 from celery_resilient.tasks import handed
 
@@ -49,6 +50,9 @@ class LeaseKeeper(threading.Thread):
 
     def run(self) -> None:
         cfg = self.rt.config
+        # A renewal that goes unanswered (a store that stays connected and answers
+        # nothing) is given up and made again on a fresh connection, not waited on.
+        deadlines.thread_bound(cfg.renewal_deadline)
         failures = 0
         last_renewal = time.monotonic()
         while not self._stop_event.is_set():

@@ -17,6 +17,7 @@ from celery_resilient.core import identity
 from celery_resilient.core.identity import Owner
 from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store import deadlines
 from celery_resilient.store.sql import PROVEN_DEAD
 from celery_resilient.tasks import handed
 from celery_resilient.worker import pruner, recovery
@@ -188,6 +189,7 @@ class Maintainer(threading.Thread):
 
     def run(self) -> None:
         cfg = self.rt.config
+        deadlines.thread_bound(cfg.store_deadline)  # a silent store fails a round, not hangs it
         next_sweep = next_revokes = time.monotonic()
         failures = 0
         while not self._stop_event.is_set():

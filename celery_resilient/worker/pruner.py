@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from celery_resilient import signals
 from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.store import retention, transient
+from celery_resilient.store import deadlines, retention, transient
 from celery_resilient.tasks import context
 from celery_resilient.worker.lease import backoff
 
@@ -190,6 +190,7 @@ class PruneThread(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        deadlines.thread_bound(self.rt.config.store_deadline)
         failures = 0
         while not self._stop_event.is_set():
             wait = 1.0  # the longest sleep: a stop or a due round is noticed within it
