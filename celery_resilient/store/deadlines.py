@@ -7,8 +7,8 @@ ever: a lease renewal that never returns, a liveness ping that never returns. On
 can bound it, so the threads whose work has a deadline (the lease keeper, the liveness
 session, the maintainer's sweeps) run each store operation inside :func:`bounded`.
 
-Every connection an operation uses while bounded (checked out of a pool, or executing on a
-connection it holds) is registered with this process's :class:`_Watchdog`. Past the
+Every connection an operation checks out of a pool while bounded (or holds and names with
+:func:`watch`) is registered with this process's :class:`_Watchdog`. Past the
 deadline the watchdog shuts the connection's socket down (``shutdown(2)``, not ``close``:
 the driver still owns the descriptor). The blocked call then fails at once as a lost
 connection, which the caller's retry guard reports as the store being unavailable, and the
@@ -91,6 +91,12 @@ def _fileno(dbapi_conn: Any) -> int | None:
         return None
 
 
+def watch(dbapi_conn: Any) -> None:
+    """Bound a connection held across operations (checked out before the bounded block)
+    by the current block's deadline."""
+    _register(dbapi_conn)
+
+
 def _register(dbapi_conn: Any) -> None:
     scope = current()
     if scope is not None and _fileno(dbapi_conn) is not None:
@@ -104,7 +110,9 @@ def _unregister(dbapi_conn: Any) -> None:
 
 
 def install(engine: Engine) -> None:
-    """Make ``engine``'s connections honour :func:`bounded` (network drivers only)."""
+    """Make ``engine``'s connections honour :func:`bounded` (network drivers only). Pool
+    events only: a statement listener would turn the hot statements (``store/hot.py``)
+    back onto SQLAlchemy's slower path."""
 
     @event.listens_for(engine, "checkout")
     def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
@@ -115,10 +123,6 @@ def install(engine: Engine) -> None:
         if dbapi_conn is not None:
             _unregister(dbapi_conn)
 
-    @event.listens_for(engine, "before_cursor_execute")
-    def _on_execute(conn: Any, _cursor: Any, _stmt: Any, _params: Any, _ctx: Any,
-                    _many: bool) -> None:
-        _register(conn.connection.dbapi_connection)
 
 
 def shut(dbapi_conn: Any) -> bool:
@@ -218,4 +222,5 @@ _watchdog = _process.get
 os.register_at_fork(after_in_child=_process.after_fork)
 
 
-__all__ = ["Scope", "bounded", "current", "install", "shut", "thread_bound", "thread_default"]
+__all__ = ["Scope", "bounded", "current", "install", "shut", "thread_bound", "thread_default",
+           "watch"]

@@ -149,6 +149,7 @@ class SessionLock:
         conn = self.engine.connect()  # bounded by connect_timeout
         try:
             with deadlines.bounded(self.deadline):
+                deadlines.watch(conn.connection.dbapi_connection)
                 for name, value in SERVER_KEEPALIVES.items():
                     conn.exec_driver_sql(f"SET {name} = {int(value)}")
                 got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:c, :k)"),
@@ -170,6 +171,7 @@ class SessionLock:
         if self._conn is None:
             raise ConnectionError("the liveness session is not open")
         with deadlines.bounded(self.deadline) as scope:
+            deadlines.watch(self._conn.connection.dbapi_connection)
             try:
                 start = server_start(self._conn)
             except Exception:

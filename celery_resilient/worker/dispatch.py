@@ -44,6 +44,7 @@ from typing import Any
 from celery_resilient.core import codec, killpoints, messages, workkey
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store import deadlines
 from celery_resilient.store.batched_takes import Finish, Started, TakeRequest
 from celery_resilient.store.sql import Claim
 from celery_resilient.tasks import finishes, handed
@@ -440,15 +441,21 @@ class BatchedDispatch:
             self._wake.wait(timeout=self._pause())
             self._wake.clear()
             if self._release:
-                self._release_claims()
+                self._bounded(self._release_claims)
             while self._waiting and not self._stopping:
                 self._gather()
-                self._take_and_flush()
+                self._bounded(self._take_and_flush)
             if (self._marks and not self._stopping and self._flush_failed_at is None
                     and time.monotonic() >= self._marks_since + STARTED_DELAY):
-                self._take_and_flush()
+                self._bounded(self._take_and_flush)
             if self._flush_due():  # no batch of takes covered them in time: a bare flush
-                self._flush_acks(self._deferred, flushed=False)
+                self._bounded(lambda: self._flush_acks(self._deferred, flushed=False))
+
+    def _bounded(self, step: Callable[[], None]) -> None:
+        """A silent store fails the step (a batch's pool processes take their own claims),
+        it does not hang this thread."""
+        with deadlines.bounded(self.rt.config.store_deadline):
+            step()
 
     def _gather(self) -> None:
         """Let deliveries gather for one batch while the pool has work queued: as long as

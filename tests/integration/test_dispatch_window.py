@@ -21,6 +21,7 @@ import pytest
 from kombu.common import QoS
 
 from celery_resilient.core.identity import Owner
+from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.store.sql import Store
 from celery_resilient.worker.dispatch import BatchedDispatch
 
@@ -59,7 +60,7 @@ class FinishedRequest:
 
 @pytest.fixture
 def dispatcher(pg_store: Store) -> Iterator[BatchedDispatch]:
-    d = BatchedDispatch(SimpleNamespace(store=pg_store),  # type: ignore[arg-type]
+    d = BatchedDispatch(SimpleNamespace(store=pg_store, config=ResilientConfig()),  # type: ignore[arg-type]
                         Owner("window@test", "incarnation", os.getpid()))
     d.start()
     yield d
@@ -119,7 +120,7 @@ def test_a_lost_connection_leaves_the_next_connections_window_alone(
 def test_a_warm_shutdown_acknowledges_what_waits_for_the_flush(pg_store: Store) -> None:
     """Celery stops the worker's steps after its event loop ended: results waiting for the
     flush are flushed and acknowledged by the stop, not left for a redelivery."""
-    d = BatchedDispatch(SimpleNamespace(store=pg_store),  # type: ignore[arg-type]
+    d = BatchedDispatch(SimpleNamespace(store=pg_store, config=ResilientConfig()),  # type: ignore[arg-type]
                         Owner("window@test", "incarnation", os.getpid()))
     d.start()
     hub, consumer = Hub(), _consumer()
@@ -157,8 +158,8 @@ def test_a_backlog_does_not_hold_acknowledgements_back(pg_store: Store) -> None:
     """A batch that wrote covers the acks asked for before it: they go to the event loop
     after that batch, not when the backlog ends (the review's worker held 509 finished
     requests unacknowledged, the prefetch window widened to match)."""
-    d = Backlogged(SimpleNamespace(store=pg_store), Owner("window@test", "incarnation",
-                                                          os.getpid()), batches=1000)
+    d = Backlogged(SimpleNamespace(store=pg_store, config=ResilientConfig()),
+                   Owner("window@test", "incarnation", os.getpid()), batches=1000)
     d.start()
     try:
         hub, consumer = Hub(), _consumer()

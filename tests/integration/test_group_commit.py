@@ -16,6 +16,7 @@ import pytest
 
 from celery_resilient.core import codec
 from celery_resilient.core.identity import Owner
+from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.store.batched_takes import Started, TakeRequest
 from celery_resilient.store.sql import Store
 from celery_resilient.tasks import finishes
@@ -68,7 +69,7 @@ def test_a_handed_result_is_done_in_the_store_before_its_ack(pg_store: Store,
                                                              channel: None) -> None:
     me = started(pg_store, Owner("gc@test", "inc-gc", os.getpid()))
     epochs = _taken(pg_store, me, "g1", "g2")
-    d = BatchedDispatch(SimpleNamespace(store=pg_store), me)  # type: ignore[arg-type]
+    d = BatchedDispatch(SimpleNamespace(store=pg_store, config=ResilientConfig()), me)  # type: ignore[arg-type]
     d.start()
     try:
         hub = Hub()
