@@ -9,7 +9,10 @@ then reconnects by itself, and the worker lets go of what it can no longer ackno
 reserved claims lapse for other workers; what it had fetched is given back once the link
 returns). RabbitMQ connections already carry ``TCP_USER_TIMEOUT`` (py-amqp); they get AMQP
 heartbeats every 10 s instead of Celery's 120 s, so an idle cut link is noticed within about
-20 s. A user's own setting that turns a bound off is kept, with a warning that names it.
+20 s, and ``broker_channel_error_retry``: a channel the server closes (``consumer_timeout``
+passed for a delivery: a long task) is opened again, as a lost connection is, instead of
+ending the worker ("Unrecoverable error: PreconditionFailed"); the running tasks go on. A
+user's own setting that turns a bound off is kept, with a warning that names it.
 """
 
 from __future__ import annotations
@@ -61,6 +64,13 @@ def apply(conf: Any) -> tuple[str, list[str]]:
         return (f"socket_timeout={options['socket_timeout']}s "
                 f"keepalive={'on' if options['socket_keepalive'] else 'off'}", warnings)
     if scheme in ("amqp", "amqps", "pyamqp"):
+        if "broker_channel_error_retry" not in conf.changes:
+            conf.broker_channel_error_retry = True
+        elif not conf.broker_channel_error_retry:
+            warnings.append(
+                "broker_channel_error_retry=False: a channel RabbitMQ closes (its "
+                "consumer_timeout: a task ran longer than it) ends the worker instead of "
+                "reopening the channel; its running work then waits for a restart")
         if "broker_heartbeat" not in conf.changes:
             conf.broker_heartbeat = AMQP_HEARTBEAT
         elif not conf.broker_heartbeat:
@@ -68,7 +78,8 @@ def apply(conf: Any) -> tuple[str, list[str]]:
                 f"broker_heartbeat={conf.broker_heartbeat!r} turns AMQP heartbeats off: a cut "
                 "idle link is noticed only by TCP keepalives (minutes); default here: "
                 f"{AMQP_HEARTBEAT:g}")
-        return f"heartbeat={conf.broker_heartbeat or 0:g}s", warnings
+        return (f"heartbeat={conf.broker_heartbeat or 0:g}s channel_error_retry="
+                f"{'on' if conf.broker_channel_error_retry else 'off'}", warnings)
     return "as configured", warnings
 
 

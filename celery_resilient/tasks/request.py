@@ -26,6 +26,11 @@ class ResumableRequest(Request):  # type: ignore[misc]
     worker's held requests, so the heartbeat stops renewing a claim nobody holds.
     """
 
+    #: Its delivery was settled by the broker's redelivered copy (``tasks/strategy.py``):
+    #: its channel is closed, so its own acknowledgement or rejection is only recorded.
+    settled_by_copy = False
+    acknowledged: bool  # Celery's, set here too when a copy settled the delivery
+
     def on_accepted(self, pid: int, time_accepted: float) -> None:
         super().on_accepted(pid, time_accepted)
         rt = Runtime.enabled_on(self.task.app)
@@ -44,12 +49,18 @@ class ResumableRequest(Request):  # type: ignore[misc]
 
     def acknowledge_now(self) -> None:
         was = self.acknowledged
-        super().acknowledge()
+        if self.settled_by_copy:
+            self.acknowledged = True
+        else:
+            super().acknowledge()
         self._released(was)
 
     def reject(self, requeue: bool = False) -> None:
         was = self.acknowledged
-        super().reject(requeue)
+        if self.settled_by_copy:  # its execution died: the worker's reconcile re-publishes
+            self.acknowledged = True
+        else:
+            super().reject(requeue)
         self._released(was)
 
     def on_retry(self, exc_info: Any) -> None:

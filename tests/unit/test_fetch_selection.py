@@ -70,9 +70,20 @@ def test_a_users_own_unbounded_setting_is_kept_and_named() -> None:
 
 def test_amqp_gets_short_heartbeats_unless_the_user_chose() -> None:
     conf = _conf(broker_url="amqp://guest@localhost//")
-    assert link.apply(conf)[0] == "heartbeat=10s" and conf.broker_heartbeat == 10
+    assert link.apply(conf)[0].startswith("heartbeat=10s") and conf.broker_heartbeat == 10
     mine = _conf(broker_url="amqp://guest@localhost//", broker_heartbeat=0)
     _, warnings = link.apply(mine)
     assert mine.broker_heartbeat == 0 and "broker_heartbeat=0" in warnings[0]
     chosen = _conf(broker_url="amqp://guest@localhost//", broker_heartbeat=60)
-    assert link.apply(chosen) == ("heartbeat=60s", [])
+    assert link.apply(chosen) == ("heartbeat=60s channel_error_retry=on", [])
+
+
+def test_amqp_reopens_a_closed_channel_unless_the_user_chose() -> None:
+    """A channel RabbitMQ closes for its consumer_timeout ends a plain Celery worker."""
+    conf = _conf(broker_url="amqp://guest@localhost//")
+    assert "channel_error_retry=on" in link.apply(conf)[0]
+    assert conf.broker_channel_error_retry is True
+    mine = _conf(broker_url="amqp://guest@localhost//", broker_channel_error_retry=False)
+    phrase, warnings = link.apply(mine)
+    assert mine.broker_channel_error_retry is False and "channel_error_retry=off" in phrase
+    assert len(warnings) == 1 and "broker_channel_error_retry=False" in warnings[0]
