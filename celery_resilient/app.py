@@ -13,6 +13,8 @@ from celery import Celery, signals
 from celery_resilient.broker import link, selection
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.tasks import submission
+from celery_resilient.tasks.task import ResumableTask
 from celery_resilient.worker import receiving
 from celery_resilient.worker.connection import ConnectionLossStep
 from celery_resilient.worker.step import ResilientWorkerStep
@@ -31,6 +33,9 @@ class Resilient(Runtime):
         app.steps["worker"].add(ResilientWorkerStep)
         app.steps["worker"].add("celery_resilient.beat.once:SlotOnceStep")  # 1 start per slot
         app.steps["consumer"].add(ConnectionLossStep)
+        # Every task message is sent through it (apply_async, canvases, beat): durable submit
+        app.send_task = submission.covering(
+            self, app.send_task, lambda task: isinstance(task, ResumableTask))
         # Weak receivers: the app holds this object, so they live exactly as long as the app.
         signals.task_received.connect(self._on_task_received)
         signals.task_revoked.connect(self._on_task_revoked)

@@ -5,6 +5,8 @@
   ``unacked`` hash, in kombu's format.
 - ``resilient.holders``: a sorted set of the incarnations with a holding, scored by the time
   of their last held fetch, so a sweeper finds them without scanning the keyspace.
+- ``resilient.generation``: a marker set once and never expiring; its absence says the broker
+  lost its data (:mod:`.generation`).
 
 Keys are given here without kombu's ``global_keyprefix``; whoever sends them adds it.
 """
@@ -18,6 +20,7 @@ from kombu.utils.encoding import bytes_to_str
 
 HOLDING_PREFIX = "resilient.holding."
 HOLDERS = "resilient.holders"
+GENERATION = "resilient.generation"
 #: A list nothing is pushed to: BLPOP on it is a server-side sleep (Redis older than 6.2).
 NEVER = "resilient.never"
 

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Engine,
     Row,
     and_,
+    case,
     delete,
     exists,
     func,
@@ -1402,6 +1403,36 @@ class Store:
                                          w.c.state == REQUEUED, w.c.republished > 0)
                          .values(republished=w.c.republished - 1,
                                  lease_expires_at=now + hold_seconds))
+
+    @guarded
+    def broker_lost(self, hold_seconds: float) -> int:
+        """The broker lost what it had queued: work waiting ``requeued`` for its broker copy
+        (a durable submit, a hand-back, a re-publish) is due now, for the next sweep to
+        send, instead of when its hold expires. A submission or hand-back due later (an ETA,
+        a retry's countdown) keeps that part of its hold: the hold beyond ``hold_seconds``.
+        Returns how many were made due."""
+        w = self.t.work
+        now = self.dialect.now()
+        later = w.c.lease_expires_at - hold_seconds
+        due = case((w.c.republished > 0, now), (later > now, later), else_=now)
+        with self.begin() as conn:
+            return int(conn.execute(
+                update(w).where(w.c.state == REQUEUED, w.c.incarnation.is_(None),
+                                w.c.handed_to.is_(None), w.c.message_json.is_not(None),
+                                w.c.lease_expires_at > now)
+                .values(lease_expires_at=due)).rowcount)
+
+    @guarded
+    def withdraw_submission(self, work_key: str, task_id: str) -> bool:
+        """A durable submit whose publish failed: its record goes, as the caller's
+        ``apply_async`` raised and plain Celery sends nothing then. Only while nothing took
+        it (a copy that reached the broker after all records it again when taken)."""
+        w = self.t.work
+        with self.begin() as conn:
+            return bool(conn.execute(
+                delete(w).where(w.c.work_key == work_key, w.c.task_id == task_id,
+                                w.c.state == REQUEUED, w.c.attempts == 0,
+                                w.c.republished == 0, w.c.incarnation.is_(None))).rowcount)
 
     # -- reads for operators and tests ----------------------------------------------------
 

@@ -36,7 +36,7 @@ from celery_resilient.errors import (
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.sql import Claim, TakeOutcome
-from celery_resilient.tasks import finishes, handed, replay, submission
+from celery_resilient.tasks import finishes, handed, replay
 from celery_resilient.tasks.checkpoint import Checkpoint
 from celery_resilient.tasks.context import Context, task_context
 from celery_resilient.tasks.execution import Execution
@@ -533,19 +533,6 @@ class ResumableTask(Task):  # type: ignore[misc]
             self.backend.mark_as_revoked(req.id, reason, request=req)
         except Exception as exc:  # the work is ended in the store either way
             log.warning("could not mark %s revoked in the result backend: %s", req.id, exc)
-
-    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
-                    **options: Any) -> Any:
-        """Celery's apply_async; with ``resilient_durable_submit`` the store records the work
-        first, and an unreachable store raises here, before anything is published."""
-        rt = Runtime.enabled_on(self.app)  # a client app may send without the plugin
-        headers = options.get("headers") or {}
-        resend = task_id is not None and task_id == self.request.id  # a retry of this run
-        if (rt is not None and rt.config.durable_submit and not self.app.conf.task_always_eager
-                and not resend and not headers.get(messages.REPUBLISHED_HEADER)):
-            task_id = task_id or uuid()
-            submission.record_submission(rt, self, args or (), kwargs or {}, task_id, options)
-        return super().apply_async(args, kwargs, task_id=task_id, **options)
 
     def retry(self, args: Any = None, kwargs: Any = None, *more: Any, **options: Any) -> Any:
         """Celery's retry; the retried message may take over this execution's claim.

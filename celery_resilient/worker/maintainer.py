@@ -13,6 +13,7 @@ import time
 
 from celery.worker.state import active_requests
 
+from celery_resilient.broker.generation import BrokerMarker
 from celery_resilient.core import identity
 from celery_resilient.core.identity import Owner
 from celery_resilient.errors import StoreUnavailable
@@ -64,6 +65,8 @@ class Maintainer(threading.Thread):
         self.revokes = RevokeWatcher()
         #: Gives back what gone workers held on a Redis broker (the reliable fetch).
         self.holding = HoldingSweep(rt, owner)
+        #: Tells when the broker lost its data (a Redis restarted empty).
+        self.marker = BrokerMarker()
         #: Monotonic time of the last failed round (None: none yet).
         self.last_failure: float | None = None
         self.pruning = pruner.PruneThread(rt)
@@ -211,7 +214,7 @@ class Maintainer(threading.Thread):
                         self.last_failure = time.monotonic()
                     if not self.draining:
                         recovery.sweep(self.rt, self.owner, self.judge_leases(), self.holding,
-                                       self.broker_seen)
+                                       self.broker_seen, self.marker)
                     next_sweep = now + cfg.sweep_interval
                     self.rounds += 1
                 failures = 0

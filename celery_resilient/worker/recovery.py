@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery_resilient import signals
+from celery_resilient.broker.generation import BrokerMarker
 from celery_resilient.core import messages
 from celery_resilient.core.identity import Owner
 from celery_resilient.core.states import DEAD, REQUEUED, REVOKED
@@ -49,7 +50,8 @@ def _give_back(conn: Any, holding: HoldingSweep, judge_leases: bool) -> None:
 
 def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
           holding: HoldingSweep | None = None,
-          reachable: Callable[[bool], None] | None = None) -> list[Orphan]:
+          reachable: Callable[[bool], None] | None = None,
+          marker: BrokerMarker | None = None) -> list[Orphan]:
     """One recovery round; returns the orphans it re-published (or found back in the
     broker's queue).
 
@@ -58,7 +60,8 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
     send is handed back to the next round without counting as re-published. On Redis the
     holdings of gone workers go back to their queues first (``holding``); an orphan whose
     message went back that way is not published a second time. ``reachable`` hears whether
-    the broker answered.
+    the broker answered. With ``marker``, a broker found to have lost its data gets the
+    work the store holds for it in this very round (:func:`resend_lost`).
     """
     cfg = rt.config
     with rt.app.connection_for_write() as conn:
@@ -72,6 +75,8 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
             return []
         if reachable is not None:
             reachable(True)
+        if marker is not None:
+            resend_lost(rt, conn, marker)
         if holding is not None:
             _give_back(conn, holding, judge_leases)
         ended: list[Ended] = []
@@ -117,6 +122,24 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
     if unsent:
         rt.store.unsend(unsent, cfg.submit_timeout)
     return sent
+
+
+def resend_lost(rt: Runtime, conn: Any, marker: BrokerMarker) -> None:
+    """A broker that lost its data (:mod:`celery_resilient.broker.generation`): what the
+    store holds for it is made due, and this sweep's orphans send it. The marker is set
+    again only after the store heard: a store that fails here leaves it for the next round."""
+    channel = conn.default_channel
+    if not marker.missing(channel):
+        return
+    due = rt.store.broker_lost(rt.config.submit_timeout)
+    lived_through = marker.lost_since_seen()
+    marker.mark(channel)
+    if lived_through or due:
+        log.warning("the broker lost its data (its marker is gone: restarted without "
+                    "persistence, flushed, or failed over to a replica without it): %d "
+                    "queued resumable work(s) the store holds are re-sent now; work sent "
+                    "without durable submit is lost with it, as in Celery", due,
+                    extra={"action": "broker_data_lost", "count": due})
 
 
 def _recovered(rt: Runtime, orphan: Orphan) -> None:
