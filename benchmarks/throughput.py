@@ -9,7 +9,8 @@ tells the mode's worker to consume that queue (remote control ``add_consumer``),
 clock when the queue is empty and nothing is left unacked (acks_late: a message is acked after
 its task returned; for ResumableTask after the result is committed to the store).
 
-    python benchmarks/throughput.py [--tasks 2000] [--reps 5] [--profile DIR [--cprofile]]
+    python benchmarks/throughput.py [--tasks 2000] [--reps 5] [--durable-submit]
+                                    [--profile DIR [--cprofile]]
 
 Prints a markdown table: median tasks/s per mode and the ratio ours/plain.
 """
@@ -46,6 +47,7 @@ from bench_common import (
 from celery import Celery
 from sqlalchemy import create_engine, text
 
+from celery_resilient import Resilient, ResumableTask
 from celery_resilient.store.sql import Store
 from celery_resilient.testing.services import drop_prefixed_tables
 
@@ -61,6 +63,9 @@ class Mode:
     queue: str = ""
     #: "0": kombu's own Redis fetch instead of the reliable fetch (resumable modes)
     reliable_fetch: str = "1"
+    #: Published through a Resilient client app with resilient_durable_submit (the store
+    #: records each submission before the broker has it)
+    durable: bool = False
     worker: Worker | None = None
     rates: list[float] = field(default_factory=list)
     publish_rates: list[float] = field(default_factory=list)
@@ -72,7 +77,8 @@ class Mode:
         if self.store_url is None:
             return "none (plain Celery)"
         label = "SQLite file" if self.store_url.startswith("sqlite") else "PostgreSQL"
-        return label + ("" if self.reliable_fetch == "1" else ", kombu's fetch")
+        return (label + ("" if self.reliable_fetch == "1" else ", kombu's fetch")
+                + (", durable submit" if self.durable else ""))
 
 
 class Bench:
@@ -88,6 +94,7 @@ class Bench:
         self.redis = redis.Redis.from_url(broker)
         self.client = Celery("bench-client", broker=broker)
         self.unacked_baseline = int(self.redis.hlen("unacked"))
+        self._durable: dict[str, Celery] = {}
 
     def start(self, mode: Mode) -> None:
         env = {"BENCH_BROKER": self.broker, "BENCH_QUEUE": mode.queue,
@@ -108,6 +115,25 @@ class Bench:
         mode.worker = Worker(mode.name, env, f"{mode.queue}-idle", self.tmp,
                              concurrency=self.concurrency).start()
 
+    def durable_client(self, mode: Mode) -> Celery:
+        """A client app as a web process would have it: Resilient, the task known by
+        class, durable submit on, the mode's store."""
+        made = self._durable.get(mode.name)
+        if made is None:
+            made = Celery(f"bench-durable-{mode.name}", broker=self.broker)
+            made.conf.update(resilient_store_url=mode.store_url,
+                             resilient_table_prefix=mode.prefix,
+                             resilient_durable_submit=True, task_ignore_result=True)
+            Resilient(made)
+
+            @made.task(name=RESUMABLE, base=ResumableTask, shared=False)
+            def resumable(n: int) -> int:
+                """Sent from here, run by the mode's worker."""
+                return n
+
+            self._durable[mode.name] = made
+        return made
+
     def ping(self, mode: Mode) -> bool:
         if mode.worker is not None and not mode.worker.alive():
             raise RuntimeError(f"worker {mode.name} died:\n{mode.worker.logs()[-3000:]}")
@@ -125,10 +151,11 @@ class Bench:
 
     def run(self, mode: Mode, n: int, timeout: float = 300) -> tuple[float, float]:
         """Publish ``n`` tasks, then time their processing; (tasks/s, publish msgs/s)."""
+        client = self.durable_client(mode) if mode.durable else self.client
         t_publish = time.perf_counter()
-        with self.client.producer_or_acquire() as producer:
+        with client.producer_or_acquire() as producer:
             for i in range(n):
-                self.client.send_task(mode.task, args=(i,), queue=mode.queue, producer=producer)
+                client.send_task(mode.task, args=(i,), queue=mode.queue, producer=producer)
         t0 = time.perf_counter()
         pids = mode.worker.pids() if mode.worker is not None else []
         cpu0 = [process_cpu(pid) for pid in pids]
@@ -258,6 +285,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare-fetch", action="store_true",
                         help="also run each resumable mode with kombu's own Redis fetch "
                              "(resilient_reliable_fetch=False), in the same rotation")
+    parser.add_argument("--durable-submit", action="store_true",
+                        help="also run each resumable mode published with "
+                             "resilient_durable_submit (a Resilient client app), in the rotation")
     parser.add_argument("--body-ms", type=float, default=0.0,
                         help="milliseconds each task body sleeps (0: trivial tasks)")
     parser.add_argument("--profile", type=Path, default=None,
@@ -293,6 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         for m in modes:  # SQLite modes need stores of their own
             if m.reliable_fetch == "0" and m.store_url and m.store_url.startswith("sqlite"):
                 m.store_url = f"sqlite:///{tmp / 'store-kombu-fetch.sqlite3'}"
+    if args.durable_submit:
+        modes += [Mode(f"{m.name}-durable", m.task, m.store_url,
+                       f"{m.prefix}d" if not m.store_url.startswith("sqlite") else m.prefix,
+                       durable=True)
+                  for m in modes if m.store_url and m.reliable_fetch == "1"]
+        for m in modes:  # SQLite modes need stores of their own
+            if m.durable and m.store_url and m.store_url.startswith("sqlite"):
+                m.store_url = f"sqlite:///{tmp / 'store-durable.sqlite3'}"
     for mode in modes:
         mode.queue = f"bench-{mode.name}-{tag}"
 

@@ -46,7 +46,9 @@ def startup(rt: Runtime, owner: Owner) -> None:
         "max_attempts=%d durable_submit=%s reliable_fetch=%s broker_link=(%s) node=%s "
         "incarnation=%s",
         sanitize_url(cfg.store_url), cfg.lease_seconds, cfg.heartbeat_interval,
-        cfg.sweep_interval, cfg.max_attempts, cfg.durable_submit, rt.fetch_mode,
+        cfg.sweep_interval, cfg.max_attempts,
+        "on" if cfg.durable_submit else "off (what a broker that loses its data held and no "
+        "worker received is lost, as in Celery)", rt.fetch_mode,
         rt.broker_link, owner.node,
         owner.incarnation, extra={"action": "startup"},
     )
