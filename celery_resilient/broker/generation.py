@@ -4,6 +4,8 @@ failover to a replica that never had our keys.
 Such a broker answers again with empty queues, and nothing in it says that what was queued is
 gone. A marker key, set once and never expiring, does: where it is missing, the data it lived
 with is gone (or this Redis never had one: its first use by this version of the library).
+Each store has a marker of its own (the key names a digest of the store and its table
+prefix): apps with stores of their own often share one Redis, and each must hear of the loss.
 The sweep that finds it missing tells the store, which re-sends the work it holds for a
 broker copy (``Store.broker_lost``), then sets the marker again.
 
@@ -16,6 +18,7 @@ goes undetected waits for the store's hold (``resilient_submit_timeout``).
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Any
 
@@ -25,9 +28,11 @@ from celery_resilient.broker import holdings, keys
 
 
 class BrokerMarker:
-    """The marker of one broker, as this process last saw it."""
+    """The marker one store keeps in its broker, as this process last saw it."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: str) -> None:
+        #: Names the store (its URL without credentials, and its table prefix).
+        self.suffix = hashlib.sha256(store.encode()).hexdigest()[:12]
         #: The marker this process last saw (None: none yet).
         self.seen: str | None = None
 
@@ -38,6 +43,8 @@ class BrokerMarker:
         token = holdings.raw_client(channel).get(self._key(channel))
         if token is None:
             return True
+        # Another one set again (another worker of this store found it missing first, and
+        # told the store): adopted, as the loss was handled.
         self.seen = bytes_to_str(token)
         return False
 
@@ -53,6 +60,5 @@ class BrokerMarker:
         token = raw.get(key)
         self.seen = None if token is None else bytes_to_str(token)
 
-    @staticmethod
-    def _key(channel: Any) -> str:
-        return str(channel.global_keyprefix or "") + keys.GENERATION
+    def _key(self, channel: Any) -> str:
+        return f"{channel.global_keyprefix or ''}{keys.GENERATION}.{self.suffix}"

@@ -5,8 +5,8 @@
   ``unacked`` hash, in kombu's format.
 - ``resilient.holders``: a sorted set of the incarnations with a holding, scored by the time
   of their last held fetch, so a sweeper finds them without scanning the keyspace.
-- ``resilient.generation``: a marker set once and never expiring; its absence says the broker
-  lost its data (:mod:`.generation`).
+- ``resilient.generation.<store digest>``: a marker per store, set once and never expiring;
+  its absence says the broker lost its data (:mod:`.generation`).
 
 Keys are given here without kombu's ``global_keyprefix``; whoever sends them adds it.
 """

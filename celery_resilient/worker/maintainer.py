@@ -19,6 +19,7 @@ from celery_resilient.core.identity import Owner
 from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store import deadlines
+from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import PROVEN_DEAD
 from celery_resilient.tasks import handed
 from celery_resilient.worker import pruner, recovery
@@ -66,7 +67,8 @@ class Maintainer(threading.Thread):
         #: Gives back what gone workers held on a Redis broker (the reliable fetch).
         self.holding = HoldingSweep(rt, owner)
         #: Tells when the broker lost its data (a Redis restarted empty).
-        self.marker = BrokerMarker()
+        self.marker = BrokerMarker(f"{sanitize_url(rt.config.store_url)} "
+                                   f"{rt.config.table_prefix}")
         #: Monotonic time of the last failed round (None: none yet).
         self.last_failure: float | None = None
         self.pruning = pruner.PruneThread(rt)
