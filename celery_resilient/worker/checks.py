@@ -35,12 +35,32 @@ def time_limit_warnings(app: Any) -> list[str]:
                     "(duplicates are skipped by the store, but each costs a delivery)."
                 )
         elif scheme in ("amqp", "amqps", "pyamqp"):
-            timeout = float(opts.get("consumer_timeout_seconds",
-                                     RABBITMQ_DEFAULT_CONSUMER_TIMEOUT))
+            timeout, where = _consumer_timeout(app, task, opts)
             if limit > timeout:
                 warnings.append(
                     f"{task.name}: time limit {limit}s exceeds RabbitMQ's consumer_timeout "
-                    f"({timeout}s by default); the broker will close the channel. Raise "
-                    "consumer_timeout in rabbitmq.conf (or per queue with x-consumer-timeout)."
+                    f"({timeout:g}s, {where}); the server will close the channel while it "
+                    "runs. The worker opens it again and the task goes on, but every message "
+                    "prefetched on that channel is redelivered. Raise consumer_timeout in "
+                    "rabbitmq.conf, or per queue with the x-consumer-timeout argument "
+                    "(RabbitMQ 3.12+), above the time limit."
                 )
     return warnings
+
+
+def _consumer_timeout(app: Any, task: Any, opts: dict[str, Any]) -> tuple[float, str]:
+    """The consumer timeout ``task``'s queue runs under, as far as the worker can tell: the
+    queue's own ``x-consumer-timeout`` argument when it declares one, else what
+    ``broker_transport_options['consumer_timeout_seconds']`` says of the server, else
+    RabbitMQ's default. (RabbitMQ does not tell a client the server's setting.)"""
+    name = getattr(task, "queue", None) or app.conf.task_default_queue
+    try:
+        queue = app.amqp.queues.get(name)
+    except Exception:  # routing not built here: judge by the settings
+        queue = None
+    declared = (getattr(queue, "queue_arguments", None) or {}).get("x-consumer-timeout")
+    if declared is not None:
+        return float(declared) / 1000, f"queue {name}'s x-consumer-timeout"
+    if "consumer_timeout_seconds" in opts:
+        return float(opts["consumer_timeout_seconds"]), "broker_transport_options"
+    return RABBITMQ_DEFAULT_CONSUMER_TIMEOUT, "RabbitMQ's default"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
+from kombu import Queue
 
 from celery_resilient import ResumableTask
 from celery_resilient.broker import selection
@@ -63,3 +64,16 @@ def test_global_time_limit_counts_too() -> None:
         """Never run."""
 
     assert any("checks.nolimit" in w for w in time_limit_warnings(app))
+
+
+def test_a_queues_own_consumer_timeout_is_the_one_judged() -> None:
+    """x-consumer-timeout on the task's queue (milliseconds) overrides what the settings say
+    of the server, both ways."""
+    longer = _app("amqp://guest@127.0.0.1//", task_default_queue="work",
+                  task_queues=[Queue("work", queue_arguments={"x-consumer-timeout": 9_000_000})])
+    assert time_limit_warnings(longer) == []
+    shorter = _app("amqp://guest@127.0.0.1//", task_default_queue="work",
+                   broker_transport_options={"consumer_timeout_seconds": 99_999},
+                   task_queues=[Queue("work", queue_arguments={"x-consumer-timeout": 30_000})])
+    warnings = time_limit_warnings(shorter)
+    assert len(warnings) == 2 and all("queue work's x-consumer-timeout" in w for w in warnings)
