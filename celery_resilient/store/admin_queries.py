@@ -17,6 +17,9 @@ from typing import Any
 from sqlalchemy import Connection, case, func, or_, select
 
 from celery_resilient.core.states import CLAIMED, DEAD, OPEN_STATES
+from celery_resilient.store.db import Database
+from celery_resilient.store.guard import guarded
+from celery_resilient.store.records import WorkInfo, work_info
 from celery_resilient.store.retention import (
     FINISHED_STATES,
     PRUNE_BATCH,
@@ -27,7 +30,6 @@ from celery_resilient.store.retention import (
     ledger_before,
     revocations_before,
 )
-from celery_resilient.store.sql import Store, WorkInfo, guarded, work_info
 
 
 @dataclass(frozen=True)
@@ -128,9 +130,9 @@ class PruneCounts:
 
 
 class AdminQueries:
-    """Read-only inspection and retention pruning, on a :class:`Store`'s engine and tables."""
+    """Read-only inspection and retention pruning, on a store's plumbing (:mod:`.db`)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.store = store
         self.t = store.t
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, case, delete, select, update
 
 from celery_resilient.errors import ContextConflict, ContextNotFound
+from celery_resilient.store.db import Database
+from celery_resilient.store.guard import guarded
 from celery_resilient.store.retention import delete_contexts
-from celery_resilient.store.sql import Store, guarded
 
 Fence = tuple[str, int]
 
@@ -31,9 +32,9 @@ class StoredContext:
 
 
 class ContextRows:
-    """Reads and compare-and-set writes of context rows, on a :class:`Store`'s engine."""
+    """Reads and compare-and-set writes of context rows, on a store's plumbing (:mod:`.db`)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.store = store
         self.table = store.t.contexts
 

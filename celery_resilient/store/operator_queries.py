@@ -43,8 +43,10 @@ from celery_resilient.core.states import (
     TERMINAL_STATES,
 )
 from celery_resilient.errors import ResilientError
+from celery_resilient.store import checkpoint_compat
+from celery_resilient.store.db import Database
+from celery_resilient.store.guard import guarded
 from celery_resilient.store.retention import delete_ended_workers, workers_gone_before
-from celery_resilient.store.sql import Store, guarded
 
 BATCH = 500
 CANCEL_SOURCES = OPEN_STATES
@@ -220,9 +222,9 @@ def republish_refusal(state: str, lease_left: float | None, owner: str | None,
 
 
 class OperatorQueries:
-    """Cancel, retry and forget on a :class:`Store`'s engine and tables, in batches."""
+    """Cancel, retry and forget on a store's plumbing (:mod:`.db`), in batches."""
 
-    def __init__(self, store: Store, batch: int = BATCH) -> None:
+    def __init__(self, store: Database, batch: int = BATCH) -> None:
         self.store = store
         self.t = store.t
         self.batch = batch
@@ -337,7 +339,8 @@ class OperatorQueries:
                 set_={"epoch": ins.excluded.epoch, "forgotten_at": ins.excluded.forgotten_at}),
                 [{"work_key": k, "epoch": e, "forgotten_at": at} for k, e in
                  conn.execute(select(w.c.work_key, w.c.epoch).where(w.c.work_key.in_(keys)))])
-            self.store.delete_old_checkpoints(conn, keys)  # what the previous version reads
+            # what the previous version reads
+            checkpoint_compat.delete_old_checkpoints(self.store.t, conn, keys)
             counts["steps"] += conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
             gone = conn.execute(delete(w).where(w.c.work_key.in_(keys),
                                                 w.c.state.in_(FORGET_SOURCES))
@@ -477,7 +480,7 @@ __all__ = ["CANCELLED_BY_OPERATOR", "CANCEL_SOURCES", "FORGET_SOURCES", "RETRY_S
 # -- pruning the workers table ------------------------------------------------------------------
 
 @guarded
-def prune_workers_count(store: Store, older_than: float, lease_seconds: float) -> int:
+def prune_workers_count(store: Database, older_than: float, lease_seconds: float) -> int:
     """How many ``workers`` rows :func:`prune_workers` would delete now."""
     wk = store.t.workers
     with store.engine.connect() as conn:
@@ -489,7 +492,7 @@ def prune_workers_count(store: Store, older_than: float, lease_seconds: float) -
     return int(n)
 
 
-def prune_workers(store: Store, older_than: float, lease_seconds: float,
+def prune_workers(store: Database, older_than: float, lease_seconds: float,
                   batch: int = BATCH) -> int:
     """Delete the ``workers`` rows of incarnations that ended more than ``older_than``
     seconds ago (see :func:`.retention.workers_gone_before`); never a live one. One worker

@@ -30,8 +30,10 @@ from sqlalchemy import and_, delete, exists, func, select, tuple_
 
 from celery_resilient.core import killpoints
 from celery_resilient.core.states import OPEN_STATES, SENT, SKIPPED, STARTED, TERMINAL_STATES
+from celery_resilient.store import checkpoint_compat
+from celery_resilient.store.db import Database
+from celery_resilient.store.guard import guarded
 from celery_resilient.store.schema import Tables
-from celery_resilient.store.sql import Store, guarded
 
 #: Rows deleted per table per transaction, unless told otherwise.
 PRUNE_BATCH = 500
@@ -105,7 +107,7 @@ class WorkPruned:
 
 
 @guarded
-def delete_finished_work(store: Store, cutoff: float, batch: int = PRUNE_BATCH) -> WorkPruned:
+def delete_finished_work(store: Database, cutoff: float, batch: int = PRUNE_BATCH) -> WorkPruned:
     """Delete up to ``batch`` ended work rows finished before ``cutoff`` (each with its
     checkpoint) and their steps, in one transaction. Only the keys whose work row this
     statement deleted lose their steps."""
@@ -127,11 +129,12 @@ def delete_finished_work(store: Store, cutoff: float, batch: int = PRUNE_BATCH) 
         if killpoints.ARMED:
             killpoints.reached("mid_prune")
         n_steps = conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
-        store.delete_old_checkpoints(conn, keys)  # what the previous version would resume
+        # what the previous version would resume
+        checkpoint_compat.delete_old_checkpoints(store.t, conn, keys)
     return WorkPruned(len(keys), int(n_cp), int(n_steps))
 
 
-def _delete_oldest(store: Store, key: Any, order: Any, where: Any, batch: int) -> int:
+def _delete_oldest(store: Database, key: Any, order: Any, where: Any, batch: int) -> int:
     """Delete the ``batch`` rows matching ``where`` first in ``order``, by primary ``key``."""
     chosen = (select(key).where(where).order_by(order).limit(batch)
               .with_for_update(**store.dialect.lock_kwargs()))
@@ -143,7 +146,7 @@ def _delete_oldest(store: Store, key: Any, order: Any, where: Any, batch: int) -
 
 
 @guarded
-def delete_ledger_markers(store: Store, cutoff: float, batch: int = PRUNE_BATCH) -> int:
+def delete_ledger_markers(store: Database, cutoff: float, batch: int = PRUNE_BATCH) -> int:
     """Delete up to ``batch`` ledger markers applied before ``cutoff`` (see
     :func:`ledger_before`). A deleted marker no longer stops its effect being applied again."""
     lg = store.t.ledger
@@ -152,7 +155,7 @@ def delete_ledger_markers(store: Store, cutoff: float, batch: int = PRUNE_BATCH)
 
 
 @guarded
-def delete_revocations(store: Store, cutoff: float, batch: int = PRUNE_BATCH) -> int:
+def delete_revocations(store: Database, cutoff: float, batch: int = PRUNE_BATCH) -> int:
     """Delete up to ``batch`` revocation tombstones (see :func:`revocations_before`)."""
     rv = store.t.revocations
     return _delete_oldest(store, rv.c.task_id, rv.c.created_at,
@@ -160,7 +163,7 @@ def delete_revocations(store: Store, cutoff: float, batch: int = PRUNE_BATCH) ->
 
 
 @guarded
-def delete_ended_workers(store: Store, cutoff: float, lease_seconds: float,
+def delete_ended_workers(store: Database, cutoff: float, lease_seconds: float,
                          batch: int = PRUNE_BATCH) -> int:
     """Delete up to ``batch`` rows of worker incarnations that ended before ``cutoff``
     (see :func:`workers_gone_before`); never a live one."""
@@ -170,7 +173,7 @@ def delete_ended_workers(store: Store, cutoff: float, lease_seconds: float,
 
 
 @guarded
-def delete_beat_runs(store: Store, cutoff: float, batch: int = PRUNE_BATCH) -> int:
+def delete_beat_runs(store: Database, cutoff: float, batch: int = PRUNE_BATCH) -> int:
     """Delete up to ``batch`` sent, started or skipped beat slot records claimed before
     ``cutoff``; a slot that is only claimed stays (its beat may still send it)."""
     t = store.t
@@ -185,7 +188,7 @@ def delete_beat_runs(store: Store, cutoff: float, batch: int = PRUNE_BATCH) -> i
 
 
 @guarded
-def delete_contexts(store: Store, cutoff: float, batch: int = PRUNE_BATCH) -> list[str]:
+def delete_contexts(store: Database, cutoff: float, batch: int = PRUNE_BATCH) -> list[str]:
     """Delete up to ``batch`` continuity contexts not written since ``cutoff``; their keys
     (a cache in front of the store must forget them)."""
     c = store.t.contexts

@@ -41,7 +41,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from celery_resilient.core.states import CLAIMED, SENT, SKIPPED, STARTED
 from celery_resilient.store import retention
-from celery_resilient.store.sql import Store, guarded
+from celery_resilient.store.db import Database
+from celery_resilient.store.guard import guarded
 
 CHUNK = 400  # rows per multi-row statement: far below every dialect's parameter limit
 SEND_CHUNK = 5000  # slots per PostgreSQL UPDATE (one array parameter)
@@ -97,9 +98,9 @@ def _chunks(items: Sequence[Any], size: int = CHUNK) -> Iterable[Sequence[Any]]:
 
 
 class ScheduleStore:
-    """Durable slot records for the beat scheduler, on a :class:`Store`'s engine and tables."""
+    """Durable slot records for the beat scheduler, on a store's plumbing (:mod:`.db`)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.store = store
         self.runs = store.t.schedule_runs
         self.markers_t = store.t.schedule_markers

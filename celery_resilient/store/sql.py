@@ -1,26 +1,17 @@
-"""Every query the library runs. Callers see plain dataclasses, never SQL.
-
-Fencing: each write made on behalf of an execution first "touches" its claim row with a guard
-on ``epoch`` and ``state = 'running'`` inside the same transaction. If another execution took
-the work over (epoch bumped) the touch matches no row and the whole write is refused with
-:class:`StaleClaimError`. On PostgreSQL the touched row stays locked until commit, so a takeover
-cannot slip in between the check and the write; on SQLite ``BEGIN IMMEDIATE`` serialises writers.
-"""
+"""``Store``: the facade the rest of the library calls (claims and takes, incarnations and
+liveness proofs, sweeps, reads, checkpoints, steps and the ledger), on the plumbing of
+:mod:`.db`. Callers see the plain records of :mod:`.records`, never SQL. The other query
+modules (schedule, contexts, retention, operator and admin queries) build on :mod:`.db`
+alone."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from sqlalchemy import (
     Connection,
-    Engine,
     Row,
     and_,
     case,
@@ -31,8 +22,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, StatementError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
 from celery_resilient.core.identity import EAGER_SUFFIX, Owner
@@ -51,465 +41,58 @@ from celery_resilient.core.states import (
     UNSTARTED_PID,
 )
 from celery_resilient.errors import (
-    StaleClaimError,
     StoreUnavailable,
     WorkKeyConflict,
-    WorkStopped,
 )
-from celery_resilient.store import deadlines, liveness, migrate, transient
+from celery_resilient.store import liveness
 from celery_resilient.store.batched_takes import BatchedTakes, Finish, Started, TakeRequest
-from celery_resilient.store.dialect import Dialect
-from celery_resilient.store.engine import EngineHolder, for_writing
-from celery_resilient.store.hot import HotStatements
-from celery_resilient.store.schema import build_tables
+from celery_resilient.store.checkpoint_compat import (
+    RowView,
+    checkpoint_to_resume,
+    delete_old_checkpoints,
+)
+from celery_resilient.store.db import Database
+from celery_resilient.store.guard import guarded
+from celery_resilient.store.records import (
+    ENDED_PROCESS,
+    ENDED_SESSION,
+    ENDED_STOP,
+    ENDED_SUCCESSOR,
+    PROVEN_DEAD,
+    SESSION_ALIVE,
+    UNJUDGED,
+    Claim,
+    Ended,
+    GoneIncarnations,
+    IncarnationRow,
+    Orphan,
+    Receipt,
+    Resume,
+    TakeOutcome,
+    WorkInfo,
+    work_info,
+)
 
 log = logging.getLogger(__name__)
-P = ParamSpec("P")
 REVOKE_LIST_ERROR = "revoked by task id (Celery's revoke list)"
 #: A work row's checkpoint columns once it is cleared: the next save is #1 again.
 NO_CHECKPOINT: dict[str, Any] = {"checkpoint_json": None, "checkpoint_seq": 0,
                                  "checkpoint_epoch": None, "checkpoint_at": None}
-T = TypeVar("T")
+#: What callers import from here (the facade), defined in the modules below it
+__all__ = [
+    "ENDED_PROCESS", "ENDED_SESSION", "ENDED_STOP", "ENDED_SUCCESSOR", "NO_CHECKPOINT",
+    "PROVEN_DEAD", "REVOKE_LIST_ERROR", "SESSION_ALIVE", "UNJUDGED", "Claim", "Ended",
+    "GoneIncarnations", "IncarnationRow", "Orphan", "Receipt", "Resume", "Store",
+    "TakeOutcome", "WorkInfo", "guarded", "work_info",
+]
 
 
-def guarded(fn: Callable[P, T]) -> Callable[P, T]:
-    """Run one store operation; a transient database error becomes :class:`StoreUnavailable`.
-
-    Invariant of every method it wraps: each transaction it runs begins and ends inside the
-    call, and nothing outside the database changes before that transaction commits. Only
-    that makes a re-run safe. So a transaction the server rolled back and said so
-    (serialization failure, deadlock, lock timeout, SQLITE_BUSY: see :mod:`.transient`) is
-    run again, up to ``transient.RETRIES`` times after a short jittered pause; and a pooled
-    connection found dead (the server restarted since it was used) is retried once on a fresh
-    one, which replaces a pre-ping round trip on every checkout. A call that already committed
-    a transaction (a batched operator action) is never re-run, and a failure *at commit* has
-    an unknown outcome: ``Store.begin`` raises it as unavailable, never retried. What still
-    fails transiently is :class:`StoreUnavailable` naming the operation and the SQLSTATE; any
-    other error (an integrity violation, a bug) propagates unchanged.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        with transient.operation(fn.__qualname__), \
-                deadlines.bounded(deadlines.thread_default()) as scope:
-            op = transient.current_operation(fn.__qualname__)
-            committed, reruns, reconnected = transient.commits(), 0, False
-            handling = sys.exc_info()[1]  # the caller's, e.g. a shutdown's WorkerShutdown
-            while True:
-                try:
-                    return fn(*args, **kwargs)
-                except DBAPIError as exc:
-                    interrupt = _interrupt_behind(exc, handling)
-                    if interrupt is not None:
-                        raise interrupt from None
-                    if scope is not None and scope.expired:
-                        raise StoreUnavailable(
-                            f"store did not answer within {scope.seconds:g}s during {op} "
-                            "(connection closed; a stalled pooler, proxy or server answers "
-                            "nothing while TCP stays up)") from exc
-                    if transient.commits() == committed:
-                        if transient.is_retryable(exc) and reruns < transient.RETRIES:
-                            reruns += 1
-                            log.info("%s during %s; running it again (%d/%d)",
-                                     transient.describe(exc), op, reruns, transient.RETRIES,
-                                     extra={"action": "store_rerun"})
-                            transient.pause(reruns)
-                            continue
-                        if exc.connection_invalidated and not reconnected:
-                            reconnected = True
-                            log.info("store connection was stale during %s; retrying once", op)
-                            continue
-                    if not isinstance(exc, OperationalError) and not transient.is_transient(exc):
-                        raise
-                    what = ("connection lost" if exc.connection_invalidated else
-                            "unavailable" if transient.is_transient(exc) else "unreachable")
-                    raise StoreUnavailable(f"store {what} during {op} "
-                                           f"({transient.describe(exc)}): {exc.orig}") from exc
-                except StatementError as exc:
-                    # SQLAlchemy wraps what interrupted its own code mid-statement (Celery's
-                    # SoftTimeLimitExceeded, raised from a signal handler): the task must see
-                    # that exception itself, as its handlers expect.
-                    orig = exc.orig
-                    if isinstance(orig, BaseException) and _is_interrupt(orig):
-                        raise orig from None
-                    raise
-
-    return wrapper
-
-
-def _checkpoint_to_resume(row: Any) -> tuple[str, int] | None:
-    """The checkpoint to resume from, given the work row's checkpoint columns, its epoch,
-    and the row a pre-0005 worker keeps (``old_state_json``, ``old_seq``).
-
-    The work row's, unless a take of the pre-0005 version came after it was saved (each take
-    since the save is counted in ``checkpoint_takes``; migration 0006 left it NULL where the
-    old table's row may be newer); then the old table's row, or none if that version cleared
-    it. Never later than the last one saved, so nothing is skipped."""
-    if (row.checkpoint_json is not None and row.checkpoint_epoch is not None
-            and row.checkpoint_takes is not None
-            and row.epoch - row.checkpoint_epoch == row.checkpoint_takes):
-        return str(row.checkpoint_json), int(row.checkpoint_seq)
-    if row.old_state_json is not None:
-        return str(row.old_state_json), int(row.old_seq)
-    return None
-
-
-class _RowView:
-    """Attribute access to a dict row (what :func:`_checkpoint_to_resume` reads)."""
-
-    def __init__(self, row: dict[str, Any]) -> None:
-        self.__dict__.update(row)
-
-
-@dataclass(frozen=True)
-class Resume:
-    """What a take read of the checkpoint to resume from (``found``: None, nothing saved)."""
-
-    found: tuple[str, int] | None
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """A delivered message of a resumable task, as the worker's main process saw it."""
-
-    work_key: str
-    task_name: str
-    task_id: str
-    args_digest: str | None
-    message_json: str | None
-
-
-@dataclass(frozen=True)
-class Claim:
-    work_key: str
-    epoch: int
-    attempts: int
-    deaths: int
-    #: The checkpoint to resume from as the take read it, so that the body's first ``load``
-    #: costs no round trip. None: not read, ``load`` asks the store.
-    resume: Resume | None = None
-
-
-@dataclass(frozen=True)
-class TakeOutcome:
-    """What a pool process should do with a delivery.
-
-    ``run``: execute under ``claim``; ``done``: return ``result`` without running; ``held``: a
-    live execution owns it, run nothing; ``dead``: exceeded the death cap; ``duplicate``: this
-    very request was ignored and is not re-run; ``failed``: this very request already failed
-    (``result_json``: the failure in Celery's JSON form, if kept; ``reason``: its text);
-    ``stopped``: this request was revoked, expired or cancelled (``reason`` is that state).
-    """
-
-    action: str
-    claim: Claim | None = None
-    result_json: str | None = None
-    reason: str = ""
-    #: ``held``: the incarnation holding it, when it is another worker's.
-    held_by: str | None = None
-
-
-@dataclass(frozen=True)
-class Orphan:
-    work_key: str
-    task_id: str
-    task_name: str
-    message_json: str | None
-    previous_state: str
-    previous_owner: str | None
-    #: The try (Celery ``retries``) that holds or last held the claim: the re-published copy
-    #: is sent as that try, or the take would refuse it as a stale copy of an earlier one.
-    retries: int = 0
-
-
-@dataclass(frozen=True)
-class Ended:
-    """Work the sweep ended instead of re-publishing it (revoked, or dead)."""
-
-    work_key: str
-    task_id: str
-    task_name: str
-    state: str
-    reason: str
-
-
-#: ``Store.prove_dead``: what a probe of an incarnation's liveness lock found.
-PROVEN_DEAD, SESSION_ALIVE, UNJUDGED = "proven dead", "session alive", "unjudged"
-#: ``workers.ended_by``: it stopped itself; a successor on its host saw its process gone; a
-#: later start of its node name found its session ended (all three stopped); another worker
-#: found its session ended (not stopped: it may run on behind a partition, and clears the
-#: mark when it holds its liveness lock again, after stopping its executions).
-ENDED_STOP, ENDED_PROCESS, ENDED_SUCCESSOR, ENDED_SESSION = (
-    "stop", "process", "successor", "session")
-
-
-@dataclass(frozen=True)
-class GoneIncarnations:
-    """Who a sweep may take work from, and how much of it.
-
-    ``dead``: the process is gone (it stopped, its successor saw it gone, or a later start of
-    its node name found its session ended): everything it held. ``unproven``: its lease
-    expired (or was ended because another worker found its session ended), but it may still
-    run (a partition, a pause): only work the store fences. ``unknown``: no row names it."""
-
-    dead: set[str]
-    unproven: set[str]
-    unknown: set[str]
-
-
-@dataclass(frozen=True)
-class IncarnationRow:
-    """Another start of a worker node, as its lease row says (times on the store's clock)."""
-
-    incarnation: str
-    node: str
-    pid: int
-    process: str | None
-    heartbeat_at: float
-    lease_expires_at: float | None
-    db_now: float
-    #: The server start its liveness lock was taken on (None: it holds no such lock).
-    liveness_server: float | None = None
-
-
-@dataclass(frozen=True)
-class WorkInfo:
-    """One work row as operators and tests see it (the stored message is summarised, not shown)."""
-
-    work_key: str
-    task_name: str
-    task_id: str
-    state: str
-    epoch: int
-    owner_node: str | None
-    incarnation: str | None
-    owner_pid: int | None
-    lease_expires_at: float | None
-    attempts: int
-    deaths: int
-    republished: int
-    has_message: bool
-    result_json: str | None
-    error: str | None
-    created_at: float
-    updated_at: float
-    finished_at: float | None
-
-
-
-def _interrupt_behind(exc: BaseException, handling: BaseException | None) -> BaseException | None:
-    """What interrupted the call, when ``exc`` was only raised cleaning up after it.
-
-    A soft time limit raised while a read's ``ROLLBACK`` waited for the server leaves the
-    connection mid-protocol; closing it then fails with "another command is already in
-    progress", chained to the interrupt. The caller must see the interrupt (its handlers
-    expect it), not a store outage that re-sends the task.
-
-    ``handling`` is the exception the caller was already handling when the call began: it
-    ends every chain raised inside the call, and it did not interrupt the call. Celery's warm
-    shutdown runs the worker's ``stop`` steps inside ``except SystemExit`` (its
-    ``WorkerShutdown``); taking that for an interrupt re-raised it out of our shutdown step
-    and left the worker hanging at exit, its pool never joined.
-    """
-    seen = exc.__context__
-    for _ in range(5):
-        if seen is None or seen is handling:
-            return None
-        if _is_interrupt(seen):
-            return seen
-        seen = seen.__context__
-    return None
-
-
-def _is_interrupt(exc: BaseException) -> bool:
-    """Raised asynchronously into whatever code ran: billiard's soft time limit (also what
-    ``revoke(terminate=True, signal="SIGUSR1")`` raises), or the process being stopped."""
-    return isinstance(exc, (KeyboardInterrupt, SystemExit)) or \
-        type(exc).__module__.startswith("billiard")
-
-
-def _server_gone(exc: BaseException) -> bool:
-    """The connection answered as a server that went away or is read-only (a standby during
-    a failover): the next attempt needs a fresh connection."""
-    return isinstance(exc, DBAPIError) and transient.sqlstate(exc) in transient.LOST_SQLSTATES
-
-
-def _drop(conn: Connection) -> None:
-    """Invalidate ``conn`` (its pool opens a fresh one next time), whatever state it is in."""
-    if not conn.invalidated:
-        with contextlib.suppress(Exception):
-            conn.invalidate()
-
-
-class Store:
+class Store(Database):
     """The durable store: claims, checkpoints, steps, ledger, contexts, schedule records."""
 
     def __init__(self, url: str, table_prefix: str = "resilient_") -> None:
-        self.url = url
-        self.prefix = table_prefix
-        self._engine = EngineHolder(url)
-        self._autocommit = EngineHolder(url, autocommit=True)  # PostgreSQL: single()
-        self.dialect = Dialect(make_url(url).get_backend_name())
-        self.t = build_tables(table_prefix)
-        self._hot = HotStatements(self.t, self.dialect)
+        super().__init__(url, table_prefix)
         self._batched = BatchedTakes(self.t, self.dialect)
-
-    # -- plumbing -------------------------------------------------------------------------
-
-    @property
-    def engine(self) -> Engine:
-        return self._engine.get()
-
-    @property
-    def engines(self) -> tuple[Engine, ...]:
-        """Every engine of this store, for instrumentation: the transactional one and, on
-        PostgreSQL, the autocommit one single statements use (take, finish, heartbeat)."""
-        if self.dialect.is_sqlite:
-            return (self.engine,)
-        return (self.engine, self._autocommit.get())
-
-    def dispose(self) -> None:
-        self._engine.dispose()
-        self._autocommit.dispose()
-
-    @guarded
-    def _connect(self) -> Connection:
-        """A connection with its transaction begun: an unreachable store is StoreUnavailable."""
-        conn = for_writing(self.engine.connect())
-        try:
-            conn.begin()
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    @contextmanager
-    def single(self) -> Iterator[Connection]:
-        """A connection for exactly one atomic write statement.
-
-        On PostgreSQL it runs in autocommit: the statement is its own transaction, one round
-        trip instead of three (statement, then COMMIT; no separate BEGIN). SQLite takes the
-        normal writing transaction.
-        """
-        if self.dialect.is_sqlite:
-            with self.begin() as conn:
-                yield conn
-            return
-        with self._autocommitted() as conn:
-            yield conn
-
-    @contextmanager
-    def _reading(self) -> Iterator[Connection]:
-        """A connection for one read: autocommitted on PostgreSQL (one round trip, not
-        BEGIN, SELECT, ROLLBACK); SQLite's read transaction is local and ended here."""
-        if self.dialect.is_sqlite:
-            with self.engine.connect() as conn:
-                yield conn
-                conn.rollback()
-            return
-        with self._autocommitted() as conn:
-            yield conn
-
-    @contextmanager
-    def _autocommitted(self) -> Iterator[Connection]:
-        with self._autocommit.get().connect() as conn:  # connections stay in autocommit
-            try:
-                yield conn
-            except BaseException as exc:
-                # (One an interrupt left mid-statement is refused at its next checkout:
-                # engine._refuse_unfinished.)
-                if _server_gone(exc):
-                    _drop(conn)
-                raise
-
-    @contextmanager
-    def begin(self) -> Iterator[Connection]:
-        """One transaction; also used for the user's own writes (``Ledger.atomic``).
-
-        A failure at COMMIT has an unknown outcome (the commit may have landed before the
-        reply was lost): a transient or connection error there is :class:`StoreUnavailable`,
-        never re-run. Each commit is counted, so ``guarded`` never re-runs a call that
-        already committed a transaction.
-        """
-        conn = self._connect()
-        with conn:
-            try:
-                yield conn
-            except BaseException as exc:
-                try:
-                    conn.rollback()
-                except DBAPIError:
-                    # Interrupted mid-statement (a soft time limit: "another command is
-                    # already in progress"; the pool refuses that connection at its next
-                    # checkout): the error that stopped the transaction is what the caller
-                    # must see, not the rollback's.
-                    raise exc from None
-                if _server_gone(exc):
-                    _drop(conn)
-                raise
-            try:
-                conn.commit()
-            except DBAPIError as exc:
-                if isinstance(exc, OperationalError) or transient.is_transient(exc):
-                    raise StoreUnavailable(
-                        f"store unavailable at commit of "
-                        f"{transient.current_operation('a transaction')}, outcome unknown "
-                        f"({transient.describe(exc)}): {exc.orig}") from exc
-                raise
-            transient.note_commit()
-
-    @guarded
-    def ensure_schema(self, migrate_if_needed: bool) -> None:
-        migrate.check(self.engine, self.prefix, migrate_if_needed)
-
-    @guarded
-    def migrate(self) -> None:
-        migrate.upgrade(self.engine, self.prefix)
-
-    @guarded
-    def now(self) -> float:
-        with self.engine.connect() as conn:
-            value = conn.execute(select(self.dialect.now())).scalar_one()
-            conn.rollback()
-        return float(value)
-
-    def _first_epoch(self, work_key: str) -> Any:
-        """Epoch 0 for a new key, or the last epoch of the key's forgotten predecessor."""
-        fg = self.t.forgotten
-        return func.coalesce(
-            select(fg.c.epoch).where(fg.c.work_key == work_key).scalar_subquery(), 0)
-
-    def fence(self, conn: Connection, work_key: str, epoch: int) -> None:
-        """Refuse the transaction unless ``epoch`` still holds the running claim."""
-        res = self._hot.run(conn, "fence", {"k": work_key, "e": epoch})
-        if res.rowcount != 1:
-            raise self._refused(work_key, epoch, "write refused")
-
-    def _refused(self, work_key: str, epoch: int, what: str) -> StaleClaimError:
-        """Why a fenced write matched no row: superseded, or stopped by a cancel or revoke."""
-        w = self.t.work
-        try:
-            with self.engine.connect() as conn:
-                row = conn.execute(select(w.c.state, w.c.epoch).where(
-                    w.c.work_key == work_key)).first()
-                conn.rollback()
-        except DBAPIError:
-            row = None
-        if row is not None and row.state in STOPPED_STATES and int(row.epoch) == epoch:
-            return WorkStopped(f"work {work_key!r} was {row.state} while epoch {epoch} ran; "
-                               f"{what}")
-        return StaleClaimError(f"claim on work {work_key!r} at epoch {epoch} was superseded; "
-                               f"{what}")
-
-    @guarded
-    def assert_current(self, work_key: str, epoch: int) -> None:
-        """Raise :class:`StaleClaimError` unless ``epoch`` still holds the running claim."""
-        w = self.t.work
-        with self.engine.connect() as conn:
-            row = conn.execute(select(w.c.epoch, w.c.state).where(w.c.work_key == work_key)).first()
-            conn.rollback()
-        if row is None or row.epoch != epoch or row.state != RUNNING:
-            raise self._refused(work_key, epoch, "effect not started")
 
     # -- claims -----------------------------------------------------------------------------
 
@@ -717,7 +300,7 @@ class Store:
         # The update adds one to the epoch and to checkpoint_takes: the same test on the row
         # as read.
         return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths,
-                                        Resume(_checkpoint_to_resume(row))))
+                                        Resume(checkpoint_to_resume(row))))
 
     def take_batch(self, takes: Sequence[TakeRequest], started: Sequence[Started],
                    owner: Owner, lease_seconds: float, max_attempts: int,
@@ -747,17 +330,11 @@ class Store:
                                                    max_attempts, finishes)
         claims: dict[str, Claim] = {}
         for row in rows:
-            view = _RowView(row)
+            view = RowView(row)
             claims[row["work_key"]] = Claim(row["work_key"], int(row["epoch"]),
                                             int(row["attempts"]), int(row["deaths"]),
-                                            Resume(_checkpoint_to_resume(view)))
+                                            Resume(checkpoint_to_resume(view)))
         return claims, finished
-
-    def ended(self, state: str, error: str) -> dict[str, Any]:
-        """The column values of every transition to a terminal ``state`` but ``done``."""
-        now = self.dialect.now()
-        return {"state": state, "error": error[:4000], "owner_pid": None,
-                "lease_expires_at": None, "updated_at": now, "finished_at": now}
 
     def _end(self, conn: Connection, work_key: str, state: str, error: str,
              deaths: Any = None) -> None:
@@ -780,7 +357,7 @@ class Store:
         if row is None:
             return None
         return TakeOutcome("run", Claim(work_key, int(row.epoch), int(row.attempts),
-                                        int(row.deaths), Resume(_checkpoint_to_resume(row))))
+                                        int(row.deaths), Resume(checkpoint_to_resume(row))))
 
     @staticmethod
     def _running_elsewhere(
@@ -866,7 +443,7 @@ class Store:
             self.fence(conn, work_key, epoch)
             if clear_checkpoint:
                 values.update(NO_CHECKPOINT)
-                self.delete_old_checkpoints(conn, [work_key])
+                delete_old_checkpoints(self.t, conn, [work_key])
             conn.execute(update(w).where(w.c.work_key == work_key).values(**values))
 
     @guarded
@@ -1477,7 +1054,7 @@ class Store:
 
     @guarded
     def load_checkpoint(self, work_key: str) -> tuple[str, int] | None:
-        """The checkpoint to resume from (see :func:`_checkpoint_to_resume`); one
+        """The checkpoint to resume from (see :func:`.checkpoint_compat.checkpoint_to_resume`); one
         autocommitted read on PostgreSQL."""
         w, old = self.t.work, self.t.old_checkpoints
         query = (select(w.c.checkpoint_json, w.c.checkpoint_seq, w.c.epoch, w.c.checkpoint_epoch,
@@ -1485,9 +1062,9 @@ class Store:
                         old.c.seq.label("old_seq"))
                  .outerjoin(old, old.c.work_key == w.c.work_key)
                  .where(w.c.work_key == work_key))
-        with self._reading() as conn:
+        with self.reading() as conn:
             row = conn.execute(query).first()
-        return None if row is None else _checkpoint_to_resume(row)
+        return None if row is None else checkpoint_to_resume(row)
 
     @guarded
     def save_checkpoint(self, work_key: str, epoch: int, state_json: str) -> int:
@@ -1504,14 +1081,7 @@ class Store:
         with self.begin() as conn:
             self.fence(conn, work_key, epoch)
             conn.execute(update(w).where(w.c.work_key == work_key).values(**NO_CHECKPOINT))
-            self.delete_old_checkpoints(conn, [work_key])
-
-    def delete_old_checkpoints(self, conn: Connection, keys: Sequence[str]) -> None:
-        """Delete these keys' rows of the pre-0005 checkpoint table, which workers of the
-        previous version still read during a rolling deploy: a checkpoint cleared here must
-        not be resumed from there (it skipped the work a retry or a fresh run must do)."""
-        old = self.t.old_checkpoints
-        conn.execute(delete(old).where(old.c.work_key.in_(list(keys))))
+            delete_old_checkpoints(self.t, conn, [work_key])
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -1570,14 +1140,3 @@ class Store:
                    result_json: str) -> bool:
         with self.begin() as conn:
             return self.ledger_mark(conn, key, work_key, epoch, result_json)
-
-
-def work_info(row: Any) -> WorkInfo:
-    return WorkInfo(
-        row.work_key, row.task_name, row.task_id, row.state, int(row.epoch), row.owner_node,
-        row.incarnation, None if row.owner_pid is None else int(row.owner_pid),
-        None if row.lease_expires_at is None else float(row.lease_expires_at),
-        int(row.attempts), int(row.deaths), int(row.republished),
-        row.message_json is not None, row.result_json, row.error, float(row.created_at),
-        float(row.updated_at), None if row.finished_at is None else float(row.finished_at),
-    )

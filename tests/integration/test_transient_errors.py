@@ -158,7 +158,7 @@ class _Reruns(logging.Handler):
 @pytest.fixture
 def reruns() -> Iterator[_Reruns]:
     handler = _Reruns()
-    logger = logging.getLogger("celery_resilient.store.sql")
+    logger = logging.getLogger("celery_resilient.store.guard")  # the retry guard logs reruns
     logger.addHandler(handler)
     old_level = logger.level
     logger.setLevel(logging.INFO)

@@ -1,0 +1,205 @@
+"""The store's plumbing, below every query module: engines, dialect, tables, connections and
+transactions (``single``, ``reading``, ``begin``), and the fencing rule.
+
+Fencing: each write made on behalf of an execution first "touches" its claim row with a guard
+on ``epoch`` and ``state = 'running'`` inside the same transaction. If another execution took
+the work over (epoch bumped) the touch matches no row and the whole write is refused with
+:class:`StaleClaimError`. On PostgreSQL the touched row stays locked until commit, so a takeover
+cannot slip in between the check and the write; on SQLite ``BEGIN IMMEDIATE`` serialises writers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from celery_resilient.core.states import RUNNING, STOPPED_STATES
+from celery_resilient.errors import StaleClaimError, StoreUnavailable, WorkStopped
+from celery_resilient.store import migrate, transient
+from celery_resilient.store.dialect import Dialect
+from celery_resilient.store.engine import EngineHolder, for_writing
+from celery_resilient.store.guard import drop, guarded, server_gone
+from celery_resilient.store.hot import HotStatements
+from celery_resilient.store.schema import build_tables
+
+
+class Database:
+    """One store's engines, dialect and tables, its connections and transactions, and the
+    fencing rule every write on behalf of an execution follows."""
+
+    def __init__(self, url: str, table_prefix: str = "resilient_") -> None:
+        self.url = url
+        self.prefix = table_prefix
+        self._engine = EngineHolder(url)
+        self._autocommit = EngineHolder(url, autocommit=True)  # PostgreSQL: single()
+        self.dialect = Dialect(make_url(url).get_backend_name())
+        self.t = build_tables(table_prefix)
+        self._hot = HotStatements(self.t, self.dialect)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine.get()
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Every engine of this store, for instrumentation: the transactional one and, on
+        PostgreSQL, the autocommit one single statements use (take, finish, heartbeat)."""
+        if self.dialect.is_sqlite:
+            return (self.engine,)
+        return (self.engine, self._autocommit.get())
+
+    def dispose(self) -> None:
+        self._engine.dispose()
+        self._autocommit.dispose()
+
+    @guarded
+    def _connect(self) -> Connection:
+        """A connection with its transaction begun: an unreachable store is StoreUnavailable."""
+        conn = for_writing(self.engine.connect())
+        try:
+            conn.begin()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @contextmanager
+    def single(self) -> Iterator[Connection]:
+        """A connection for exactly one atomic write statement.
+
+        On PostgreSQL it runs in autocommit: the statement is its own transaction, one round
+        trip instead of three (statement, then COMMIT; no separate BEGIN). SQLite takes the
+        normal writing transaction.
+        """
+        if self.dialect.is_sqlite:
+            with self.begin() as conn:
+                yield conn
+            return
+        with self._autocommitted() as conn:
+            yield conn
+
+    @contextmanager
+    def reading(self) -> Iterator[Connection]:
+        """A connection for one read: autocommitted on PostgreSQL (one round trip, not
+        BEGIN, SELECT, ROLLBACK); SQLite's read transaction is local and ended here."""
+        if self.dialect.is_sqlite:
+            with self.engine.connect() as conn:
+                yield conn
+                conn.rollback()
+            return
+        with self._autocommitted() as conn:
+            yield conn
+
+    @contextmanager
+    def _autocommitted(self) -> Iterator[Connection]:
+        with self._autocommit.get().connect() as conn:  # connections stay in autocommit
+            try:
+                yield conn
+            except BaseException as exc:
+                # (One an interrupt left mid-statement is refused at its next checkout:
+                # engine._refuse_unfinished.)
+                if server_gone(exc):
+                    drop(conn)
+                raise
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """One transaction; also used for the user's own writes (``Ledger.atomic``).
+
+        A failure at COMMIT has an unknown outcome (the commit may have landed before the
+        reply was lost): a transient or connection error there is :class:`StoreUnavailable`,
+        never re-run. Each commit is counted, so ``guarded`` never re-runs a call that
+        already committed a transaction.
+        """
+        conn = self._connect()
+        with conn:
+            try:
+                yield conn
+            except BaseException as exc:
+                try:
+                    conn.rollback()
+                except DBAPIError:
+                    # Interrupted mid-statement (a soft time limit: "another command is
+                    # already in progress"; the pool refuses that connection at its next
+                    # checkout): the error that stopped the transaction is what the caller
+                    # must see, not the rollback's.
+                    raise exc from None
+                if server_gone(exc):
+                    drop(conn)
+                raise
+            try:
+                conn.commit()
+            except DBAPIError as exc:
+                if isinstance(exc, OperationalError) or transient.is_transient(exc):
+                    raise StoreUnavailable(
+                        f"store unavailable at commit of "
+                        f"{transient.current_operation('a transaction')}, outcome unknown "
+                        f"({transient.describe(exc)}): {exc.orig}") from exc
+                raise
+            transient.note_commit()
+
+    @guarded
+    def ensure_schema(self, migrate_if_needed: bool) -> None:
+        migrate.check(self.engine, self.prefix, migrate_if_needed)
+
+    @guarded
+    def migrate(self) -> None:
+        migrate.upgrade(self.engine, self.prefix)
+
+    @guarded
+    def now(self) -> float:
+        with self.engine.connect() as conn:
+            value = conn.execute(select(self.dialect.now())).scalar_one()
+            conn.rollback()
+        return float(value)
+
+    def _first_epoch(self, work_key: str) -> Any:
+        """Epoch 0 for a new key, or the last epoch of the key's forgotten predecessor."""
+        fg = self.t.forgotten
+        return func.coalesce(
+            select(fg.c.epoch).where(fg.c.work_key == work_key).scalar_subquery(), 0)
+
+    def fence(self, conn: Connection, work_key: str, epoch: int) -> None:
+        """Refuse the transaction unless ``epoch`` still holds the running claim."""
+        res = self._hot.run(conn, "fence", {"k": work_key, "e": epoch})
+        if res.rowcount != 1:
+            raise self._refused(work_key, epoch, "write refused")
+
+    def _refused(self, work_key: str, epoch: int, what: str) -> StaleClaimError:
+        """Why a fenced write matched no row: superseded, or stopped by a cancel or revoke."""
+        w = self.t.work
+        try:
+            with self.engine.connect() as conn:
+                row = conn.execute(select(w.c.state, w.c.epoch).where(
+                    w.c.work_key == work_key)).first()
+                conn.rollback()
+        except DBAPIError:
+            row = None
+        if row is not None and row.state in STOPPED_STATES and int(row.epoch) == epoch:
+            return WorkStopped(f"work {work_key!r} was {row.state} while epoch {epoch} ran; "
+                               f"{what}")
+        return StaleClaimError(f"claim on work {work_key!r} at epoch {epoch} was superseded; "
+                               f"{what}")
+
+    @guarded
+    def assert_current(self, work_key: str, epoch: int) -> None:
+        """Raise :class:`StaleClaimError` unless ``epoch`` still holds the running claim."""
+        w = self.t.work
+        with self.engine.connect() as conn:
+            row = conn.execute(select(w.c.epoch, w.c.state).where(w.c.work_key == work_key)).first()
+            conn.rollback()
+        if row is None or row.epoch != epoch or row.state != RUNNING:
+            raise self._refused(work_key, epoch, "effect not started")
+
+    def ended(self, state: str, error: str) -> dict[str, Any]:
+        """The column values of every transition to a terminal ``state`` but ``done``."""
+        now = self.dialect.now()
+        return {"state": state, "error": error[:4000], "owner_pid": None,
+                "lease_expires_at": None, "updated_at": now, "finished_at": now}
