@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
@@ -203,3 +203,10 @@ class Database:
         now = self.dialect.now()
         return {"state": state, "error": error[:4000], "owner_pid": None,
                 "lease_expires_at": None, "updated_at": now, "finished_at": now}
+
+    def _end(self, conn: Connection, work_key: str, state: str, error: str,
+             deaths: Any = None) -> None:
+        """Move ``work_key`` to a terminal ``state`` inside ``conn``'s transaction."""
+        w = self.t.work
+        conn.execute(update(w).where(w.c.work_key == work_key).values(
+            **self.ended(state, error), deaths=w.c.deaths if deaths is None else deaths))

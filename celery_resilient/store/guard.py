@@ -43,9 +43,10 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        with transient.operation(fn.__qualname__), \
+        name = _operation(fn, args)
+        with transient.operation(name), \
                 deadlines.bounded(deadlines.thread_default()) as scope:
-            op = transient.current_operation(fn.__qualname__)
+            op = transient.current_operation(name)
             committed, reruns, reconnected = transient.commits(), 0, False
             handling = sys.exc_info()[1]  # the caller's, e.g. a shutdown's WorkerShutdown
             while True:
@@ -88,6 +89,14 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                     raise
 
     return wrapper
+
+
+def _operation(fn: Callable[..., object], args: tuple[object, ...]) -> str:
+    """What the operation is called in messages: a method by the class it was called on
+    (``Store.take``, wherever the store's concept modules define it)."""
+    if "." in fn.__qualname__ and args:
+        return f"{type(args[0]).__name__}.{fn.__name__}"
+    return fn.__qualname__
 
 
 def _interrupt_behind(exc: BaseException, handling: BaseException | None) -> BaseException | None:

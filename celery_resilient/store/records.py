@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+#: The error of work ended because Celery's revoke list named its task id.
+REVOKE_LIST_ERROR = "revoked by task id (Celery's revoke list)"
+#: A work row's checkpoint columns once it is cleared: the next save is #1 again.
+NO_CHECKPOINT: dict[str, Any] = {"checkpoint_json": None, "checkpoint_seq": 0,
+                                 "checkpoint_epoch": None, "checkpoint_at": None}
+
 
 @dataclass(frozen=True)
 class Resume:
