@@ -54,6 +54,7 @@ from celery_resilient.store.records import (
     Claim,
     Receipt,
     Resume,
+    TakeAction,
     TakeOutcome,
 )
 
@@ -212,30 +213,31 @@ class Claims(Incarnations):
                 created_at=now, updated_at=now, finished_at=now if revoked else None,
             ))
             if revoked:
-                return TakeOutcome("stopped", reason=REVOKED)
-            return TakeOutcome("run", Claim(work_key, epoch, 1, 0))
+                return TakeOutcome(TakeAction.STOPPED, reason=REVOKED)
+            return TakeOutcome(TakeAction.RUN, Claim(work_key, epoch, 1, 0))
         if args_digest and row.args_digest and args_digest != row.args_digest:
             raise WorkKeyConflict(
                 f"work key {work_key!r} was already used by task {row.task_id} with different "
                 "arguments; derive work keys from everything that makes the work distinct"
             )
         if row.state == DONE:
-            return TakeOutcome("done", result_json=row.result_json)
+            return TakeOutcome(TakeAction.DONE, result_json=row.result_json)
         if row.state == DEAD:
-            return TakeOutcome("dead", reason=row.error or "")
+            return TakeOutcome(TakeAction.DEAD, reason=row.error or "")
         if row.state in ENDED_BY_REQUEST and row.task_id == task_id:
             if row.state in STOPPED_STATES:
-                return TakeOutcome("stopped", reason=row.state)
+                return TakeOutcome(TakeAction.STOPPED, reason=row.state)
             if row.state == FAILED:
-                return TakeOutcome("failed", result_json=row.result_json,
+                return TakeOutcome(TakeAction.FAILED, result_json=row.result_json,
                                    reason=row.error or "failed")
-            return TakeOutcome("duplicate", reason=f"this request already ended ({row.state})")
+            return TakeOutcome(TakeAction.DUPLICATE,
+                               reason=f"this request already ended ({row.state})")
         if row.state in OPEN_STATES and retries < row.retries and row.task_id == task_id:
-            return TakeOutcome("duplicate", reason=(
+            return TakeOutcome(TakeAction.DUPLICATE, reason=(
                 f"a stale copy of try {retries}; try {row.retries} holds or held the claim"))
         if (row.state == REQUEUED and row.handed_to is not None and supersedes != row.handed_to
                 and row.task_id == task_id):
-            return TakeOutcome("duplicate", reason=(
+            return TakeOutcome(TakeAction.DUPLICATE, reason=(
                 f"a copy of a request that was replaced at epoch {row.handed_to}; the "
                 "replacement takes the work"))
         died = False
@@ -243,7 +245,7 @@ class Claims(Incarnations):
             if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
                 other = row.incarnation if row.incarnation != owner.incarnation else None
                 return TakeOutcome(
-                    "held", reason=f"running on {row.owner_node} (epoch {row.epoch})",
+                    TakeAction.HELD, reason=f"running on {row.owner_node} (epoch {row.epoch})",
                     held_by=other)
             # A copy re-sent by the execution itself (store outage, retry) replaces it. A
             # claim taken by a main process that died before its pool was seen to start it
@@ -256,11 +258,11 @@ class Claims(Incarnations):
             # the revoke for, runs nothing; the work ends only if it is this request's.
             if row.state in OPEN_STATES and row.task_id == task_id:
                 self._end(conn, work_key, REVOKED, deaths=deaths, error="revoked by task id")
-            return TakeOutcome("stopped", reason=REVOKED)
+            return TakeOutcome(TakeAction.STOPPED, reason=REVOKED)
         if deaths >= max_attempts:
             reason = f"its execution died {deaths} times (resilient_max_attempts={max_attempts})"
             self._end(conn, work_key, DEAD, deaths=deaths, error=reason)
-            return TakeOutcome("dead", reason=reason)
+            return TakeOutcome(TakeAction.DEAD, reason=reason)
         epoch = row.epoch + 1
         conn.execute(update(w).where(w.c.work_key == work_key).values(
             state=RUNNING, epoch=epoch, owner_node=owner.node, incarnation=owner.incarnation,
@@ -272,7 +274,7 @@ class Claims(Incarnations):
         ))
         # The update adds one to the epoch and to checkpoint_takes: the same test on the row
         # as read.
-        return TakeOutcome("run", Claim(work_key, epoch, row.attempts + 1, deaths,
+        return TakeOutcome(TakeAction.RUN, Claim(work_key, epoch, row.attempts + 1, deaths,
                                         Resume(checkpoint_to_resume(row))))
 
     def take_batch(self, takes: Sequence[TakeRequest], started: Sequence[Started],
@@ -322,7 +324,7 @@ class Claims(Incarnations):
         }).row
         if row is None:
             return None
-        return TakeOutcome("run", Claim(work_key, int(row.epoch), int(row.attempts),
+        return TakeOutcome(TakeAction.RUN, Claim(work_key, int(row.epoch), int(row.attempts),
                                         int(row.deaths), Resume(checkpoint_to_resume(row))))
 
     @staticmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 #: The error of work ended because Celery's revoke list named its task id.
@@ -41,6 +42,18 @@ class Claim:
     resume: Resume | None = None
 
 
+class TakeAction(StrEnum):
+    """What a take decided for a delivery (equal to its string, as logs and signals say it)."""
+
+    RUN = "run"
+    DONE = "done"
+    HELD = "held"
+    DEAD = "dead"
+    DUPLICATE = "duplicate"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
 @dataclass(frozen=True)
 class TakeOutcome:
     """What a pool process should do with a delivery.
@@ -52,7 +65,7 @@ class TakeOutcome:
     ``stopped``: this request was revoked, expired or cancelled (``reason`` is that state).
     """
 
-    action: str
+    action: TakeAction
     claim: Claim | None = None
     result_json: str | None = None
     reason: str = ""

@@ -33,6 +33,7 @@ from celery_resilient.store.records import (
     Orphan,
     Receipt,
     Resume,
+    TakeAction,
     TakeOutcome,
     WorkInfo,
     work_info,
@@ -45,7 +46,7 @@ __all__ = [
     "ENDED_PROCESS", "ENDED_SESSION", "ENDED_STOP", "ENDED_SUCCESSOR", "NO_CHECKPOINT",
     "PROVEN_DEAD", "REVOKE_LIST_ERROR", "SESSION_ALIVE", "UNJUDGED", "Claim", "Ended",
     "GoneIncarnations", "IncarnationRow", "Orphan", "Receipt", "Resume", "Store",
-    "TakeOutcome", "WorkInfo", "guarded", "work_info",
+    "TakeAction", "TakeOutcome", "WorkInfo", "guarded", "work_info",
 ]
 
 

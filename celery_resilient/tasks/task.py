@@ -29,7 +29,7 @@ from celery_resilient.errors import (
 )
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.store.sql import Claim, TakeOutcome
+from celery_resilient.store.records import Claim, TakeAction, TakeOutcome
 from celery_resilient.tasks import canvas, finishes, handed, replay, result_backend
 from celery_resilient.tasks.checkpoint import Checkpoint
 from celery_resilient.tasks.claimed import ClaimedRun, resend_while_store_down
@@ -241,20 +241,20 @@ class ResumableTask(Task):  # type: ignore[misc]
             )
         except StoreUnavailable as exc:
             resend_while_store_down(self, exc, None)
-        if outcome.action in ("done", "failed"):
+        if outcome.action in (TakeAction.DONE, TakeAction.FAILED):
             return outcome
-        if outcome.action in ("held", "duplicate"):
+        if outcome.action in (TakeAction.HELD, TakeAction.DUPLICATE):
             log.info("work %s not run: %s", work_key, outcome.reason,
                      extra={"action": "duplicate_skipped", **ctx})
             signals.send(signals.duplicate_skipped, self.app, self.name,
                          reason=outcome.reason, **ctx)
             raise Ignore()
-        if outcome.action == "stopped":
+        if outcome.action == TakeAction.STOPPED:
             log.info("work %s not run: request %s was %s", work_key, req.id, outcome.reason,
                      extra={"action": "stopped_skipped", **ctx})
             result_backend.report_revoked(self, outcome.reason)
             raise Ignore()
-        if outcome.action == "dead":
+        if outcome.action == TakeAction.DEAD:
             log.error("work %s is dead: %s", work_key, outcome.reason,
                       extra={"action": "dead", **ctx})
             signals.send(signals.work_dead, self.app, self.name, reason=outcome.reason, **ctx)
@@ -282,7 +282,7 @@ class ResumableTask(Task):  # type: ignore[misc]
 
     def _ended_copy(self, outcome: TakeOutcome, ctx: dict[str, Any]) -> Any:
         """A copy of a request that ended (done or failed): whatever Celery was not told."""
-        work_key, done = ctx["work_key"], outcome.action == "done"
+        work_key, done = ctx["work_key"], outcome.action == TakeAction.DONE
         signals.send(signals.duplicate_skipped, self.app, self.name, reason=outcome.action,
                      **ctx)
         result = (codec.decode(outcome.result_json) if done
