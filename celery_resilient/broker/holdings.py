@@ -6,6 +6,18 @@ through kombu's own ``restore_by_tag`` (one transaction: out of ``unacked``, ont
 of its queue, marked redelivered), then leaves the holding; a crash between the two leaves
 a tag whose message is already back, which the next restore drops.
 
+**Order.** A holding goes back in the order it was fetched (:func:`restore_order`): each
+restore pushes its message onto the front of its queue, so the last fetched goes first and
+the first fetched ends at the front, where the next fetch takes it. kombu's own
+``restore_unacked`` (a clean close) and RabbitMQ's requeue keep that order too. It is what
+puts a dead worker's *started* work ahead of what it had only prefetched: every pool hands
+requests to its slots in the order they were delivered (prefork's fair scheduling, the
+threads pool's queue, gevent's and eventlet's spawn, solo inline), so what a worker still
+holds and started is always fetched before what it holds and had not started yet. Given back
+by delivery tag (random), a restarted worker's first fetches mixed the two, and its pool
+ran never-started work while the killed work waited for a slot (threads -c 4: 4-8 s).
+Messages whose fetch time is unknown (no ``unacked_index`` score) go behind the others.
+
 Works on any kombu Redis channel (kombu's own included), so a worker that opted out of the
 reliable fetch still gives back the holdings of those that did not.
 """
@@ -87,7 +99,7 @@ def restore(channel: Any, incarnation: str, tags: Iterable[str] | None = None,
     holding = prefix + keys.holding(incarnation)
     wanted = None if tags is None else set(tags)
     back: list[Held] = []
-    for item in held(channel, incarnation):
+    for item in restore_order(held(channel, incarnation)):
         if wanted is not None and item.tag not in wanted:
             continue
         if older_than is not None and item.fetched_at is not None and (
@@ -102,6 +114,15 @@ def restore(channel: Any, incarnation: str, tags: Iterable[str] | None = None,
     if wanted is None and older_than is None and only is None:
         FORGET_EMPTY_SCRIPT(raw, [holding, prefix + keys.HOLDERS], [incarnation])
     return back
+
+
+def restore_order(items: Iterable[Held]) -> list[Held]:
+    """The order in which to give ``items`` back so that their queue's front reads as they
+    were fetched: each restore goes onto the front, so the last fetched goes first and the
+    first fetched last. Those with no fetch time go before all others, so they end up
+    behind them; ties (one clock reading) end up in the order of their tags."""
+    return sorted(items, key=lambda h: (h.fetched_at is None, h.fetched_at or 0.0, h.tag),
+                  reverse=True)
 
 
 def forget_empty(channel: Any, incarnation: str) -> None:
@@ -130,4 +151,4 @@ def _task_of(entry: bytes | None) -> tuple[str | None, str | None]:
 
 
 __all__ = ["Held", "forget_empty", "held", "holders", "is_redis", "raw_client", "restore",
-           "visibility_ceiling"]
+           "restore_order", "visibility_ceiling"]
