@@ -26,8 +26,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -40,7 +38,12 @@ from redbeat.decoder import RedBeatJSONEncoder
 from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, ensure_conf, get_redis
 
 from celery_resilient import signals
-from celery_resilient.beat import windows
+from celery_resilient.beat import killpoints, windows
+from celery_resilient.beat.killpoints import (
+    KILL_AFTER_CLAIM_ENV,
+    KILL_AFTER_PUBLISH_ENV,
+    KILL_AFTER_PUBLISH_NTH_ENV,
+)
 from celery_resilient.beat.once import ENTRY_HEADER
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
@@ -53,15 +56,6 @@ from celery_resilient.store.schedule import Run, ScheduleStore
 from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER
 
 log = logging.getLogger(__name__)
-
-#: Test-only kill point: a file path; after the first slot claim commits, the beat creates
-#: the file and SIGKILLs itself (once: an existing file disarms it).
-KILL_AFTER_CLAIM_ENV = "RESILIENT_BEAT_KILL_AFTER_CLAIM"
-#: Test-only kill point: a file path; after the ``KILL_AFTER_PUBLISH_NTH_ENV``-th (default 1st)
-#: slot published by this process, before it is recorded sent, the beat creates the file and
-#: SIGKILLs itself (once: an existing file disarms it).
-KILL_AFTER_PUBLISH_ENV = "RESILIENT_BEAT_KILL_AFTER_PUBLISH"
-KILL_AFTER_PUBLISH_NTH_ENV = "RESILIENT_BEAT_KILL_AFTER_PUBLISH_NTH"
 
 DEFAULT_LOCK_TIMEOUT = 30.0  # when redbeat_lock_timeout is not set (RedBeat: 1500 s)
 LOCK_POLL_SECONDS = 1.0
@@ -347,7 +341,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             marker=to_seconds(window.slots[-1]), definition_json=self._definition_json(entry),
         )
         self._markers[key] = from_seconds(result.marker)
-        _kill_point()
+        killpoints.after_claim()
         self._log_skips(name, decision, policy, tz)
         claimed = {from_seconds(s) for s in result.claimed}
         to_send = [s for s in decision.send if s in claimed]
@@ -403,7 +397,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             for slot, task_id in slots:
                 stamp = _iso(slot, tz)
                 send(slot, task_id, stamp)
-                _kill_point_after_publish()
+                killpoints.after_publish()
                 done.append(to_seconds(slot))
                 if slot < started or now - slot > grace:
                     late.append((slot, stamp))
@@ -679,7 +673,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                 slot = from_seconds(seconds)
                 stamp = _iso(slot, tz)
                 send(slot, ids[seconds], stamp)
-                _kill_point_after_publish()
+                killpoints.after_publish()
                 done.append(seconds)
                 log.warning("beat: %s slot %s was claimed by %s but not recorded sent; "
                             "re-sent as %s", entry.name, stamp, owners[seconds], ids[seconds],
@@ -727,27 +721,6 @@ def _log_caught_up(name: str, late: Sequence[tuple[int, str]], now: int) -> None
              len(late), first_stamp, last_stamp, (now - first) / US, (now - last) / US,
              extra={"action": "slot_caught_up", "entry": name, "count": len(late),
                     "first": first_stamp, "last": last_stamp})
-
-
-def _kill_point(path: str | None = None) -> None:
-    path = path or os.environ.get(KILL_AFTER_CLAIM_ENV)
-    if path and not os.path.exists(path):
-        with open(path, "w") as fh:
-            fh.write(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-_published = 0
-
-
-def _kill_point_after_publish() -> None:
-    global _published
-    path = os.environ.get(KILL_AFTER_PUBLISH_ENV)
-    if not path:
-        return
-    _published += 1
-    if _published == int(os.environ.get(KILL_AFTER_PUBLISH_NTH_ENV) or 1):
-        _kill_point(path)
 
 
 def _loads(text: str | None) -> dict[str, Any]:
