@@ -23,22 +23,20 @@ Recovery, each logged with ``extra={"action": ...}``:
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime, timedelta, tzinfo
+from collections.abc import Callable, Sequence
+from datetime import tzinfo
 from typing import Any
 
 from celery import Celery
 from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
-from redbeat.decoder import RedBeatJSONEncoder
 from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, ensure_conf, get_redis
 
 from celery_resilient import signals
-from celery_resilient.beat import killpoints, windows
+from celery_resilient.beat import entries, killpoints, windows
 from celery_resilient.beat.killpoints import (
     KILL_AFTER_CLAIM_ENV,
     KILL_AFTER_PUBLISH_ENV,
@@ -46,6 +44,7 @@ from celery_resilient.beat.killpoints import (
 )
 from celery_resilient.beat.once import ENTRY_HEADER
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
+from celery_resilient.beat.slot_ids import task_id_for, work_key_for
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
 from celery_resilient.core import liveness, workkey
 from celery_resilient.core.states import CLAIMED
@@ -67,34 +66,11 @@ SEND_BATCH = 500  # slots published between two records of their sends (one tran
 PENDING_PAGE = 1000  # claimed-but-unsent rows read at a time
 PENDING_PAGES = 100  # at most this many pages per look (100,000 slots)
 RECORD_SKIPS = 1000  # at least this many of a window's latest slots are recorded when skipped
-TASK_ID_NAMESPACE = uuid.UUID("6f1c2a4e-6a36-4d0b-9a51-5b8a4c3a7e10")
 
 _CAS_DELETE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """
-
-
-def task_id_for(entry_key: str, slot: int) -> str:
-    """The task id of a slot: the same on every beat, every re-send, every restart."""
-    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{entry_key}\n{slot}"))
-
-
-def work_key_for(entry_key: str, slot: int) -> str:
-    """The work key of a slot, so a slot delivered twice runs once (``ResumableTask``)."""
-    stamp = from_us(slot).isoformat()
-    key = f"beat:{entry_key}@{stamp}"
-    if len(key) > workkey.MAX_LENGTH:
-        key = f"beat:{hashlib.sha256(entry_key.encode()).hexdigest()[:40]}@{stamp}"
-    return key
-
-
-def _tz(sched: Any) -> tzinfo | None:
-    try:
-        tz: tzinfo | None = sched.tz
-    except Exception:  # a schedule without an app or tz: crontab fields then mean UTC
-        return None
-    return tz
 
 
 class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
@@ -184,7 +160,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             token = client.get(self.lock_key)
             if token is None:
                 return
-            holder = _loads(client.get(self.holder_key))
+            holder = entries.load_object(client.get(self.holder_key))
             if (holder.get("token") == token and liveness.is_dead(holder.get("identity"))):
                 if client.eval(_CAS_DELETE, 1, self.lock_key, token):
                     log.warning("beat: lock %s held by dead beat %s: taken over", self.lock_key,
@@ -223,7 +199,8 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             options = spec.get("options") if isinstance(spec, dict) else None
             try:
                 self.default_policy.for_options(options, name)
-                _check_interval(name, spec.get("schedule") if isinstance(spec, dict) else None)
+                entries.check_interval(
+                    name, spec.get("schedule") if isinstance(spec, dict) else None)
             except ScheduleError as exc:
                 raise ConfigurationError(str(exc)) from None
         self._statics = set(schedule)
@@ -281,7 +258,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         """Send the entry's due slots (by policy); return seconds until its next slot."""
         key = entry.key
         sched = entry.schedule
-        tz = _tz(sched)
+        tz = entries.schedule_tz(sched)
         now = to_us(self.app.now())
         policy = self._policy(entry)
         anchor = self._anchor(entry, now)
@@ -322,7 +299,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             return self._markers[key]
         marker = self.slots.marker(key)
         if marker is None:
-            base = min(to_us(entry.last_run_at), now) if entry.last_run_at else now
+            base = entries.first_marker(entry.last_run_at, now)
             self.slots.ensure_markers([(key, to_seconds(base), self._definition_json(entry))])
             created = self.slots.marker(key)
             assert created is not None
@@ -453,28 +430,17 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
     def _reschedule(self, entry: RedBeatSchedulerEntry, marker: int, nxt: int | None,
                     sent: int, tz: tzinfo | None) -> None:
         """RedBeat's meta and score from the marker: ``last_run_at`` is the last slot."""
-        meta = {"last_run_at": from_us(marker, tz),
-                "total_run_count": (entry.total_run_count or 0) + sent}
-        entry.last_run_at = meta["last_run_at"]
+        entry.last_run_at = from_us(marker, tz)
         client = self._redis()
         if not client.exists(entry.key):
             return  # deleted meanwhile: do not leave a half entry behind
         with client.pipeline() as pipe:
-            pipe.hset(entry.key, "meta", json.dumps(meta, cls=RedBeatJSONEncoder))
-            pipe.zadd(self.app.redbeat_conf.schedule_key,
-                      {entry.key: -1 if nxt is None else nxt / US})
+            entries.put_meta(pipe, self.app.redbeat_conf.schedule_key, entry.key,
+                             entry.last_run_at, (entry.total_run_count or 0) + sent, nxt)
             pipe.execute()
 
     def _definition_json(self, entry: RedBeatSchedulerEntry) -> str | None:
-        try:
-            definition = json.dumps({
-                "name": entry.name, "task": entry.task, "args": entry.args,
-                "kwargs": entry.kwargs, "options": entry.options, "schedule": entry.schedule,
-                "enabled": entry.enabled,
-            }, cls=RedBeatJSONEncoder)
-        except (TypeError, ValueError):
-            return None
-        return _wrap(definition, entry.name in self._statics)
+        return entries.definition_json(entry, entry.name in self._statics)
 
     # -- reconcile and maintenance -----------------------------------------------------------
 
@@ -488,7 +454,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         self.started_at = now
         markers = self.slots.markers(prefix)
         keys = set(client.zrange(conf.schedule_key, 0, -1))
-        hashes = _hashes(client, sorted(keys | set(markers)))
+        hashes = entries.read_hashes(client, sorted(keys | set(markers)))
         rehydrated, removed = self._restore_lost(client, markers, keys, hashes)
         new: list[tuple[str, float, str | None]] = []
         changed: list[tuple[str, str]] = []
@@ -504,12 +470,11 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                 continue
             m = RedBeatSchedulerEntry.decode_meta(meta)
             decoded[key] = (d, m)
-            wrapped = _wrap(definition, d.get("name") in self._statics)
+            wrapped = entries.wrap(definition, d.get("name") in self._statics)
             known = markers.get(key)
             if known is None:
                 last = m.get("last_run_at")
-                base = min(to_us(last), now) if isinstance(last, datetime) else now
-                new.append((key, to_seconds(base), wrapped))
+                new.append((key, to_seconds(entries.first_marker(last, now)), wrapped))
             elif known.definition_json != wrapped:
                 changed.append((key, wrapped))
         self.slots.ensure_markers(new)
@@ -538,7 +503,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         for key, marker in markers.items():
             if hashes.get(key, (None, None))[0]:
                 continue
-            static, definition = _unwrap(marker.definition_json)
+            static, definition = entries.unwrap(marker.definition_json)
             name = key[len(self.prefix):]
             if definition is None or (static and name in self._statics):
                 continue
@@ -566,18 +531,16 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                     continue
                 if hasattr(sched, "app"):
                     sched.app = self.app
-                tz = _tz(sched)
+                tz = entries.schedule_tz(sched)
                 nxt = windows.next_slot(sched, marker, tz)
-                meta = {"last_run_at": from_us(marker, tz),
-                        "total_run_count": m.get("total_run_count") or 0}
-                pipe.hset(key, "meta", json.dumps(meta, cls=RedBeatJSONEncoder))
-                pipe.zadd(schedule_key, {key: -1 if nxt is None else nxt / US})
+                entries.put_meta(pipe, schedule_key, key, from_us(marker, tz),
+                                 m.get("total_run_count") or 0, nxt)
             pipe.execute()
 
     def _rehydrate(self, name: str, definition: str, marker: int) -> None:
         d = RedBeatSchedulerEntry.decode_definition(definition)
         entry = self.Entry(app=self.app, **d)
-        entry.last_run_at = from_us(marker, _tz(entry.schedule))
+        entry.last_run_at = from_us(marker, entries.schedule_tz(entry.schedule))
         entry.save()
         log.warning("beat: entry %s was lost from Redis; restored from the store", name,
                     extra={"action": "entry_rehydrated", "entry": name})
@@ -607,13 +570,13 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             return
         now = to_us(self.app.now())
         rows: list[tuple[str, float, str | None]] = []
-        for key, (definition, meta) in _hashes(client, keys).items():
+        for key, (definition, meta) in entries.read_hashes(client, keys).items():
             if not definition:
                 continue
             last = RedBeatSchedulerEntry.decode_meta(meta).get("last_run_at")
-            base = min(to_us(last), now) if isinstance(last, datetime) else now
             name = json.loads(definition).get("name")
-            rows.append((key, to_seconds(base), _wrap(definition, name in self._statics)))
+            rows.append((key, to_seconds(entries.first_marker(last, now)),
+                         entries.wrap(definition, name in self._statics)))
         self.slots.ensure_markers(rows)
         for key, m in self.slots.markers(self.prefix).items():
             self._markers.setdefault(key, from_seconds(m.last_slot))
@@ -663,7 +626,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         if others:
             slots.extend(self.slots.take_over_many(key, others, self.identity))
         ids = {row.slot: row.task_id for row in rows}
-        tz = _tz(entry.schedule)
+        tz = entries.schedule_tz(entry.schedule)
         send = self._sender(entry, None)
         done: list[float] = []
         total = 0
@@ -695,15 +658,6 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         return total, ok
 
 
-def _check_interval(name: str, sched: Any) -> None:
-    """An interval schedule must repeat after a positive time (0 would fire forever)."""
-    every = getattr(sched, "run_every", sched)
-    seconds = every.total_seconds() if isinstance(every, timedelta) else every
-    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds <= 0:
-        raise ScheduleError(f"beat entry {name!r}: schedule {sched!r} is invalid: an interval "
-                            "schedule must repeat after a positive number of seconds")
-
-
 def _iso(slot: int, tz: tzinfo | None) -> str:
     return from_us(slot, tz).isoformat()
 
@@ -721,36 +675,6 @@ def _log_caught_up(name: str, late: Sequence[tuple[int, str]], now: int) -> None
              len(late), first_stamp, last_stamp, (now - first) / US, (now - last) / US,
              extra={"action": "slot_caught_up", "entry": name, "count": len(late),
                     "first": first_stamp, "last": last_stamp})
-
-
-def _loads(text: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _wrap(definition: str, static: bool) -> str:
-    return json.dumps({"static": static, "definition": definition}, sort_keys=True)
-
-
-def _unwrap(text: str | None) -> tuple[bool, str | None]:
-    data = _loads(text)
-    definition = data.get("definition")
-    return bool(data.get("static")), definition if isinstance(definition, str) else None
-
-
-def _hashes(client: Any, keys: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
-    """RedBeat's ``definition`` and ``meta`` of each key, in one round trip."""
-    keys = list(keys)
-    if not keys:
-        return {}
-    with client.pipeline() as pipe:
-        for key in keys:
-            pipe.hmget(key, "definition", "meta")
-        values = pipe.execute()
-    return {k: (v[0], v[1]) for k, v in zip(keys, values, strict=True)}
 
 
 __all__ = ["KILL_AFTER_CLAIM_ENV", "KILL_AFTER_PUBLISH_ENV", "KILL_AFTER_PUBLISH_NTH_ENV",
