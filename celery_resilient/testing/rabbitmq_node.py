@@ -136,6 +136,10 @@ class ThrowawayRabbitMQ:
                 found[parts[0]] = (int(parts[1]), int(parts[2]))
         return found
 
+    def queue_counts(self, name: str, vhost: str = "/") -> tuple[int, int]:
+        """Queue ``name``'s (messages ready, messages unacknowledged); (0, 0) if it is absent."""
+        return self.queues(vhost).get(name, (0, 0))
+
     def log_text(self) -> str:
         """The node's log so far."""
         try:

@@ -98,7 +98,7 @@ class Run:
 
     def queue(self) -> tuple[int, int]:
         """(ready, unacknowledged) of the test's queue."""
-        return self.rabbit.queues().get(self.project.queue, (0, 0))
+        return self.rabbit.queue_counts(self.project.queue)
 
     def unacked_anywhere(self) -> int:
         return sum(unacked for _, unacked in self.rabbit.queues().values())
