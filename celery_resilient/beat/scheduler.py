@@ -42,6 +42,7 @@ from celery_resilient.beat.killpoints import (
     KILL_AFTER_PUBLISH_ENV,
     KILL_AFTER_PUBLISH_NTH_ENV,
 )
+from celery_resilient.beat.lock import LockKeeper, default_timeout
 from celery_resilient.beat.once import ENTRY_HEADER
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
 from celery_resilient.beat.slot_ids import task_id_for, work_key_for
@@ -56,8 +57,6 @@ from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LOCK_TIMEOUT = 30.0  # when redbeat_lock_timeout is not set (RedBeat: 1500 s)
-LOCK_POLL_SECONDS = 1.0
 PENDING_EVERY = 5.0  # look for claimed-but-unsent slots this often
 SYNC_EVERY = 30.0  # record definitions of entries added through RedBeat's API
 PRUNE_EVERY = 3600.0
@@ -66,12 +65,6 @@ SEND_BATCH = 500  # slots published between two records of their sends (one tran
 PENDING_PAGE = 1000  # claimed-but-unsent rows read at a time
 PENDING_PAGES = 100  # at most this many pages per look (100,000 slots)
 RECORD_SKIPS = 1000  # at least this many of a window's latest slots are recorded when skipped
-
-_CAS_DELETE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
-
 
 class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
     """``beat_scheduler = "celery_resilient.beat:ResilientScheduler"``.
@@ -98,11 +91,12 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         self._reconciled = False
         self._next_pending = self._next_sync = self._next_prune = 0.0
         self._outages = 0
+        self.lock_keeper = LockKeeper(self, self.identity)
         super().__init__(app, lock_key=lock_key, lock_timeout=lock_timeout, **kwargs)
         if not lock_timeout and not app.redbeat_conf.lock_timeout:
-            self.lock_timeout: float = min(float(self.max_interval) * 5, DEFAULT_LOCK_TIMEOUT)
+            self.lock_timeout: float = default_timeout(self.max_interval)
         if self.lock_key and not kwargs.get("lazy"):
-            self._await_lock()
+            self.lock_keeper.await_free()
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -119,7 +113,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
 
     @property
     def holder_key(self) -> str:
-        return f"{self.lock_key}:holder"
+        return self.lock_keeper.holder_key
 
     @property
     def generation_key(self) -> str:
@@ -128,17 +122,6 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
     def _redis(self) -> Any:
         return get_redis(self.app)
 
-    def _lock_token(self) -> str | None:
-        token = getattr(getattr(self.lock, "local", None), "token", None)
-        if isinstance(token, bytes):
-            return token.decode()
-        return None if token is None else str(token)
-
-    def _keep_lock(self) -> None:
-        """Extend RedBeat's lock mid-batch; a lost lock raises, and beat stops sending."""
-        if self.lock_key and self.lock is not None:
-            self.lock.extend(int(self.lock_timeout))
-
     @property
     def info(self) -> str:
         p = self.default_policy
@@ -146,49 +129,8 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                 f"{sanitize_url(self.resilient.config.store_url)} catchup={p.mode} "
                 f"max_slots={p.max_slots} deadline={p.deadline} grace={p.grace}s")
 
-    # -- lock -------------------------------------------------------------------------------
-
-    def _await_lock(self) -> None:
-        """Wait until RedBeat's lock is free; free it at once if its holder is provably dead.
-
-        Runs before RedBeat acquires the lock (``beat_init``), so RedBeat's own acquisition
-        never sits behind a dead predecessor's lock.
-        """
-        client = self._redis()
-        waiting = False
-        while True:
-            token = client.get(self.lock_key)
-            if token is None:
-                return
-            holder = entries.load_object(client.get(self.holder_key))
-            if (holder.get("token") == token and liveness.is_dead(holder.get("identity"))):
-                if client.eval(_CAS_DELETE, 1, self.lock_key, token):
-                    log.warning("beat: lock %s held by dead beat %s: taken over", self.lock_key,
-                                holder.get("identity"),
-                                extra={"action": "lock_takeover", "previous": holder})
-                    return
-                continue
-            if not waiting:
-                log.info("beat: waiting for lock %s held by %s", self.lock_key,
-                         holder.get("identity", "an unknown beat"),
-                         extra={"action": "lock_wait"})
-                waiting = True
-            time.sleep(min(LOCK_POLL_SECONDS, float(self.max_interval)))
-
-    def _publish_holder(self) -> None:
-        token = self._lock_token()
-        if token:
-            self._redis().set(self.holder_key,
-                              json.dumps({"token": token, "identity": self.identity}),
-                              px=int(self.lock_timeout * 1000))
-
     def close(self) -> None:
-        if self.lock_key and self.lock is not None:
-            try:
-                if self.lock.owned():
-                    self._redis().delete(self.holder_key)
-            except Exception:  # closing: Redis may be gone; the record expires anyway
-                log.debug("beat: could not remove lock holder record", exc_info=True)
+        self.lock_keeper.forget_holder()
         super().close()
 
     # -- schedule setup ---------------------------------------------------------------------
@@ -220,12 +162,10 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
     # -- the loop ---------------------------------------------------------------------------
 
     def tick(self, min: Callable[..., Any] = min, **kwargs: Any) -> float:
-        if self.lock_key:
-            self.lock.extend(int(self.lock_timeout))  # as RedBeat: a lost lock ends beat
-            self._publish_holder()
+        self.lock_keeper.keep_at_tick()  # as RedBeat: a lost lock ends beat
         remaining: list[float] = []
         try:
-            token = self._lock_token()
+            token = self.lock_keeper.token()
             if not self._reconciled or token != self._reconciled_for:
                 self._reconcile()
                 self._reconciled, self._reconciled_for = True, token
@@ -240,18 +180,12 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             self._outages += 1
             cfg = self.resilient.config
             delay = float(min(cfg.store_retry_base * 2 ** (self._outages - 1),
-                              cfg.store_retry_max, self._tick_cap()))
+                              cfg.store_retry_max, self.lock_keeper.tick_cap()))
             log.warning("beat: store unavailable (%s); nothing sent, retrying in %.1fs", exc,
                         delay, extra={"action": "store_unavailable"})
             return delay
         self._outages = 0
-        return float(min([*remaining, float(self.max_interval), self._tick_cap()]))
-
-    def _tick_cap(self) -> float:
-        """Tick often enough that the lock never expires while beat sleeps."""
-        if self.lock_key:
-            return max(0.1, float(self.lock_timeout) / 3)
-        return float(self.max_interval)
+        return float(min([*remaining, float(self.max_interval), self.lock_keeper.tick_cap()]))
 
     def maybe_due(self, entry: RedBeatSchedulerEntry, producer: Any = None,
                   **kwargs: Any) -> float | None:
@@ -388,7 +322,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                 if len(done) >= SEND_BATCH:
                     total += self.slots.mark_sent(key, done, self.identity)
                     done = []
-                    self._keep_lock()
+                    self.lock_keeper.keep()
         except StoreUnavailable:
             raise
         except Exception as exc:  # broker trouble: the claimed rows are re-sent later
@@ -645,7 +579,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                 if len(done) >= SEND_BATCH:
                     total += self.slots.mark_sent(key, done, self.identity)
                     done = []
-                    self._keep_lock()
+                    self.lock_keeper.keep()
         except StoreUnavailable:
             raise
         except Exception as exc:
