@@ -22,7 +22,6 @@ Recovery, each logged with ``extra={"action": ...}``:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -32,28 +31,25 @@ from datetime import tzinfo
 from typing import Any
 
 from celery import Celery
-from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
 from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, ensure_conf, get_redis
 
-from celery_resilient import signals
-from celery_resilient.beat import entries, killpoints, windows
+from celery_resilient.beat import entries, windows
+from celery_resilient.beat.firing import SEND_BATCH, Firing, Publish, SentBatch, build_sender
 from celery_resilient.beat.killpoints import (
     KILL_AFTER_CLAIM_ENV,
     KILL_AFTER_PUBLISH_ENV,
     KILL_AFTER_PUBLISH_NTH_ENV,
 )
 from celery_resilient.beat.lock import LockKeeper, default_timeout
-from celery_resilient.beat.once import ENTRY_HEADER
-from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
+from celery_resilient.beat.policy import CatchupPolicy
 from celery_resilient.beat.slot_ids import task_id_for, work_key_for
+from celery_resilient.beat.state import BeatState
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
-from celery_resilient.core import liveness, workkey
-from celery_resilient.core.states import CLAIMED
+from celery_resilient.core import liveness
 from celery_resilient.errors import ConfigurationError, ScheduleError, StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.schedule import Run, ScheduleStore
-from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +57,6 @@ PENDING_EVERY = 5.0  # look for claimed-but-unsent slots this often
 SYNC_EVERY = 30.0  # record definitions of entries added through RedBeat's API
 PRUNE_EVERY = 3600.0
 STALE_CLAIM_SECONDS = 60.0  # a claim older than this is re-sent even if its owner may live
-SEND_BATCH = 500  # slots published between two records of their sends (one transaction)
 PENDING_PAGE = 1000  # claimed-but-unsent rows read at a time
 PENDING_PAGES = 100  # at most this many pages per look (100,000 slots)
 RECORD_SKIPS = 1000  # at least this many of a window's latest slots are recorded when skipped
@@ -80,18 +75,18 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         # RedBeat's settings are read first, as RedBeat reads them: reading ours finalizes a
         # pending app.conf, which drops values given by app.conf.add_defaults() (Celery).
         ensure_conf(app)
-        self.resilient = Runtime.of(app)
-        self.identity = liveness.current()
+        self.state = BeatState(Runtime.of(app), liveness.current())
         self.default_policy = CatchupPolicy.from_config(self.resilient.config)
-        self.started_at = 0  # microseconds: when this beat last reconciled (start, takeover)
-        self._slots: ScheduleStore | None = None
-        self._markers: dict[str, int] = {}
-        self._statics: set[str] = set()
+        self._markers, self._statics = self.state.markers, self.state.statics
         self._reconciled_for: object = None
         self._reconciled = False
         self._next_pending = self._next_sync = self._next_prune = 0.0
         self._outages = 0
         self.lock_keeper = LockKeeper(self, self.identity)
+        # ``_sender`` is looked up at each send, so one patched on the class still applies.
+        sender = lambda entry, producer: self._sender(entry, producer)  # noqa: E731, PLW0108
+        self.firing = Firing(app, self.state, sender, self.lock_keeper.keep,
+                             self._definition_json)
         super().__init__(app, lock_key=lock_key, lock_timeout=lock_timeout, **kwargs)
         if not lock_timeout and not app.redbeat_conf.lock_timeout:
             self.lock_timeout: float = default_timeout(self.max_interval)
@@ -101,10 +96,25 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
     # -- plumbing ---------------------------------------------------------------------------
 
     @property
+    def resilient(self) -> Runtime:
+        return self.state.runtime
+
+    @property
+    def identity(self) -> str:
+        return self.state.identity
+
+    @property
+    def started_at(self) -> int:
+        """Microseconds: when this beat last reconciled (start, lock takeover)."""
+        return self.state.started_at
+
+    @started_at.setter
+    def started_at(self, value: int) -> None:
+        self.state.started_at = value
+
+    @property
     def slots(self) -> ScheduleStore:
-        if self._slots is None:
-            self._slots = ScheduleStore(self.resilient.store)
-        return self._slots
+        return self.state.slots
 
     @property
     def prefix(self) -> str:
@@ -145,7 +155,8 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                     name, spec.get("schedule") if isinstance(spec, dict) else None)
             except ScheduleError as exc:
                 raise ConfigurationError(str(exc)) from None
-        self._statics = set(schedule)
+        self._statics.clear()
+        self._statics.update(schedule)
         super().setup_schedule()
         self._open_store()
 
@@ -205,7 +216,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             limit = max(policy.max_slots, RECORD_SKIPS)
             window = windows.slots_between(sched, anchor, now, limit, tz)
             if window.total:
-                sent = self._fire(entry, policy, window, now=now, producer=producer, tz=tz)
+                sent = self.firing.fire(entry, policy, window, now=now, producer=producer, tz=tz)
         marker = self._markers[key]
         nxt = windows.next_slot(sched, marker, tz)
         if sent or entry.last_run_at is None or to_us(entry.last_run_at) != marker:
@@ -241,125 +252,13 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         self._markers[key] = from_seconds(marker.last_slot)
         return self._markers[key]
 
-    def _fire(self, entry: RedBeatSchedulerEntry, policy: CatchupPolicy,
-              window: windows.Missed, *, now: int, producer: Any, tz: tzinfo | None) -> int:
-        key, name = entry.key, entry.name
-        decision = decide(policy, window.slots, window.total, now, self.started_at)
-        ids = {s: task_id_for(key, s) for s in decision.send}
-        result = self.slots.claim(
-            key, self.identity, [(to_seconds(s), ids[s]) for s in decision.send],
-            [(to_seconds(s), task_id_for(key, s)) for s, _ in decision.skipped],
-            marker=to_seconds(window.slots[-1]), definition_json=self._definition_json(entry),
-        )
-        self._markers[key] = from_seconds(result.marker)
-        killpoints.after_claim()
-        self._log_skips(name, decision, policy, tz)
-        claimed = {from_seconds(s) for s in result.claimed}
-        to_send = [s for s in decision.send if s in claimed]
-        ours = [row for row in result.existing if row.state == CLAIMED and (
-            row.owner == self.identity or liveness.is_dead(row.owner))]
-        taken = {from_seconds(s) for s in self.slots.take_over_many(
-            key, [(row.slot, row.owner) for row in ours], self.identity)} if ours else set()
-        for row in result.existing:
-            slot = from_seconds(row.slot)
-            if slot in taken:
-                to_send.append(slot)
-                ids.setdefault(slot, row.task_id)
-                continue
-            log.info("beat: %s slot %s already %s by %s; not sent again", name,
-                     _iso(slot, tz), row.state, row.owner,
-                     extra={"action": "duplicate_refused", "entry": name,
-                            "slot": _iso(slot, tz), "state": row.state})
-        to_send.sort()
-        return self._send(entry, [(s, ids[s]) for s in to_send], now=now, policy=policy,
-                          producer=producer, tz=tz)
-
-    def _log_skips(self, name: str, decision: Decision, policy: CatchupPolicy,
-                   tz: tzinfo | None) -> None:
-        if decision.dropped:
-            log.warning("beat: %s: %d missed slots older than the latest %d skipped (cap)",
-                        name, decision.dropped, policy.max_slots,
-                        extra={"action": "slots_dropped", "entry": name,
-                               "count": decision.dropped})
-        for slot, why in decision.skipped:
-            log.info("beat: %s slot %s skipped (%s, policy %s)", name, _iso(slot, tz), why,
-                     policy.mode, extra={"action": "slot_skipped", "entry": name,
-                                         "slot": _iso(slot, tz), "reason": why})
-
-    def _send(self, entry: RedBeatSchedulerEntry, slots: Sequence[tuple[int, str]], *,
-              now: int, policy: CatchupPolicy, producer: Any, tz: tzinfo | None) -> int:
-        """Publish claimed ``(slot, task_id)`` in order, recording them sent in batches.
-
-        One producer (one broker connection) for the whole catch-up; one ``mark_sent``
-        transaction per :data:`SEND_BATCH` slots, after those slots were published. Late
-        slots get one ``slot_caught_up`` log line per call (per slot at DEBUG) and one
-        ``slot_caught_up`` signal each.
-        """
-        key, name = entry.key, entry.name
-        grace = round(policy.grace * US)
-        started = self.started_at
-        send = self._sender(entry, producer)
-        signal = signals.slot_caught_up
-        debug = log.isEnabledFor(logging.DEBUG)
-        late: list[tuple[int, str]] = []
-        done: list[float] = []
-        total = 0
-        try:
-            for slot, task_id in slots:
-                stamp = _iso(slot, tz)
-                send(slot, task_id, stamp)
-                killpoints.after_publish()
-                done.append(to_seconds(slot))
-                if slot < started or now - slot > grace:
-                    late.append((slot, stamp))
-                    if debug:
-                        log.debug("beat: %s slot %s caught up (%.1fs late)", name, stamp,
-                                  (now - slot) / US, extra={"action": "slot_caught_up",
-                                                            "entry": name, "slot": stamp})
-                    if signal.receivers:
-                        signals.send(signal, self.app, name, entry=name, slot=stamp,
-                                     task_id=task_id, late_seconds=(now - slot) / US)
-                if len(done) >= SEND_BATCH:
-                    total += self.slots.mark_sent(key, done, self.identity)
-                    done = []
-                    self.lock_keeper.keep()
-        except StoreUnavailable:
-            raise
-        except Exception as exc:  # broker trouble: the claimed rows are re-sent later
-            log.error("beat: sending %s failed: %s; its claimed slots are re-sent later",
-                      name, exc, extra={"action": "publish_failed", "entry": name})
-        finally:
-            if late:
-                _log_caught_up(name, late, now)
-        if done:
-            total += self.slots.mark_sent(key, done, self.identity)
-        return total
-
     def _sender(self, entry: RedBeatSchedulerEntry,
-                producer: Any) -> Callable[[int, str, str], None]:
-        """A function publishing one slot of ``entry`` (options resolved once per entry).
-
-        Every slot goes through ``task.apply_async`` (or ``send_task`` for a task this
-        process does not know), as Celery's own beat sends, on ``producer`` (the scheduler's
-        one producer when None): Celery's publish signals and routing keep working.
-        """
-        options = strip_options(entry.options or {})
-        options.pop("task_id", None)
-        base_headers = dict(options.pop("headers", None) or {})
-        base_headers["celery_beat_task"] = True
-        task = self.app.tasks.get(entry.task)
-        key = entry.key
+                producer: Any) -> Publish:
+        """A function publishing one slot of ``entry`` on ``producer`` (the scheduler's one
+        producer when None): :func:`.firing.build_sender`. Every first send and re-send gets
+        its publisher here."""
         producer = producer if producer is not None else self.producer
-        publish = task.apply_async if task is not None else functools.partial(
-            self.send_task, entry.task)
-
-        def send(slot: int, task_id: str, scheduled_for: str) -> None:
-            headers = {**base_headers, SCHEDULED_FOR_HEADER: scheduled_for,
-                       ENTRY_HEADER: key, workkey.HEADER: work_key_for(key, slot)}
-            publish(_evaluate_entry_args(entry.args), _evaluate_entry_kwargs(entry.kwargs),
-                    producer=producer, task_id=task_id, headers=headers, **options)
-
-        return send
+        return build_sender(self.app, entry, producer, self.send_task)
 
     def _reschedule(self, entry: RedBeatSchedulerEntry, marker: int, nxt: int | None,
                     sent: int, tz: tzinfo | None) -> None:
@@ -554,32 +453,25 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
             log.error("beat: %d claimed slots of %s cannot be re-sent: the entry is gone",
                       len(rows), key, extra={"action": "unrecoverable", "entry": key})
             return 0, True
-        owners = {row.slot: row.owner for row in rows}
+        owners = {from_seconds(row.slot): row.owner for row in rows}
         slots = [row.slot for row in rows if row.owner == self.identity]
         others = [(row.slot, row.owner) for row in rows if row.owner != self.identity]
         if others:
             slots.extend(self.slots.take_over_many(key, others, self.identity))
         ids = {row.slot: row.task_id for row in rows}
         tz = entries.schedule_tz(entry.schedule)
-        send = self._sender(entry, None)
-        done: list[float] = []
-        total = 0
+
+        def resent(slot: int, task_id: str, at: str) -> None:
+            log.warning("beat: %s slot %s was claimed by %s but not recorded sent; "
+                        "re-sent as %s", entry.name, at, owners[slot], task_id,
+                        extra={"action": "slot_resent", "entry": entry.name,
+                               "slot": at, "task_id": task_id})
+
+        batch = SentBatch(self.slots, key, self.identity, self._sender(entry, None), tz,
+                          self.lock_keeper.keep)
         ok = True
         try:
-            for seconds in sorted(slots):
-                slot = from_seconds(seconds)
-                stamp = _iso(slot, tz)
-                send(slot, ids[seconds], stamp)
-                killpoints.after_publish()
-                done.append(seconds)
-                log.warning("beat: %s slot %s was claimed by %s but not recorded sent; "
-                            "re-sent as %s", entry.name, stamp, owners[seconds], ids[seconds],
-                            extra={"action": "slot_resent", "entry": entry.name,
-                                   "slot": stamp, "task_id": ids[seconds]})
-                if len(done) >= SEND_BATCH:
-                    total += self.slots.mark_sent(key, done, self.identity)
-                    done = []
-                    self.lock_keeper.keep()
+            batch.send([(from_seconds(s), ids[s]) for s in sorted(slots)], resent)
         except StoreUnavailable:
             raise
         except Exception as exc:
@@ -587,29 +479,8 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
                       entry.name, exc, extra={"action": "publish_failed",
                                               "entry": entry.name})
             ok = False
-        if done:
-            total += self.slots.mark_sent(key, done, self.identity)
-        return total, ok
-
-
-def _iso(slot: int, tz: tzinfo | None) -> str:
-    return from_us(slot, tz).isoformat()
-
-
-def _log_caught_up(name: str, late: Sequence[tuple[int, str]], now: int) -> None:
-    """One line for the late slots of one catch-up of an entry (``late``: oldest first)."""
-    (first, first_stamp), (last, last_stamp) = late[0], late[-1]
-    if len(late) == 1:
-        log.info("beat: %s: 1 missed slot caught up: %s (%.1fs late)", name, first_stamp,
-                 (now - first) / US, extra={"action": "slot_caught_up", "entry": name,
-                                            "count": 1, "first": first_stamp,
-                                            "last": first_stamp})
-        return
-    log.info("beat: %s: %d missed slots caught up: %s to %s (%.1fs to %.1fs late)", name,
-             len(late), first_stamp, last_stamp, (now - first) / US, (now - last) / US,
-             extra={"action": "slot_caught_up", "entry": name, "count": len(late),
-                    "first": first_stamp, "last": last_stamp})
+        return batch.flush(), ok
 
 
 __all__ = ["KILL_AFTER_CLAIM_ENV", "KILL_AFTER_PUBLISH_ENV", "KILL_AFTER_PUBLISH_NTH_ENV",
-           "ResilientScheduler", "task_id_for", "work_key_for"]
+           "SEND_BATCH", "ResilientScheduler", "task_id_for", "work_key_for"]

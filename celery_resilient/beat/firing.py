@@ -1,0 +1,239 @@
+"""Firing an entry's due slots: claim them, publish them, record them sent, in batches.
+
+The order is what makes a slot start once: every slot of a window is claimed in the store
+(one transaction that also moves the entry's marker) before any is published, and recorded
+sent only after its publish. A beat killed between the two leaves the slot ``claimed``; the
+next beat re-sends it with the same task id (:mod:`.resend`). A slot another beat already
+claimed or sent is refused (``duplicate_refused``), unless its claimer is provably dead.
+
+Every slot goes out on one producer (one broker connection) through the task's own
+``apply_async``, with the slot headers; the sends are recorded :data:`SEND_BATCH` at a time
+(:class:`SentBatch`, shared with the re-sends), the lock extended between batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from datetime import tzinfo
+from typing import Any
+
+from celery import Celery
+from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
+from redbeat.schedulers import RedBeatSchedulerEntry
+
+from celery_resilient import signals
+from celery_resilient.beat import killpoints, windows
+from celery_resilient.beat.log import log
+from celery_resilient.beat.once import ENTRY_HEADER
+from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
+from celery_resilient.beat.slot_ids import task_id_for, work_key_for
+from celery_resilient.beat.state import BeatState
+from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds
+from celery_resilient.core import liveness, workkey
+from celery_resilient.core.states import CLAIMED
+from celery_resilient.errors import StoreUnavailable
+from celery_resilient.store.schedule import ClaimResult, ScheduleStore
+from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER
+
+SEND_BATCH = 500  # slots published between two records of their sends (one transaction)
+
+#: Publishes one slot: ``(slot, task_id, scheduled_for)``.
+Publish = Callable[[int, str, str], None]
+#: Makes the :data:`Publish` of an entry, on a producer (None: the scheduler's own).
+SenderFactory = Callable[[RedBeatSchedulerEntry, Any], Publish]
+
+
+def stamp(slot: int, tz: tzinfo | None) -> str:
+    """A slot as the ISO time it carries in headers and logs (in the entry's timezone)."""
+    return from_us(slot, tz).isoformat()
+
+
+def build_sender(app: Celery, entry: RedBeatSchedulerEntry, producer: Any,
+                 send_task: Callable[..., Any]) -> Publish:
+    """A function publishing one slot of ``entry`` (options resolved once per entry).
+
+    Every slot goes through ``task.apply_async`` (or ``send_task`` for a task this process
+    does not know), as Celery's own beat sends, on ``producer``: Celery's publish signals and
+    routing keep working.
+    """
+    options = strip_options(entry.options or {})
+    options.pop("task_id", None)
+    base_headers = dict(options.pop("headers", None) or {})
+    base_headers["celery_beat_task"] = True
+    task = app.tasks.get(entry.task)
+    key = entry.key
+    publish = task.apply_async if task is not None else functools.partial(send_task, entry.task)
+
+    def send(slot: int, task_id: str, scheduled_for: str) -> None:
+        headers = {**base_headers, SCHEDULED_FOR_HEADER: scheduled_for,
+                   ENTRY_HEADER: key, workkey.HEADER: work_key_for(key, slot)}
+        publish(_evaluate_entry_args(entry.args), _evaluate_entry_kwargs(entry.kwargs),
+                producer=producer, task_id=task_id, headers=headers, **options)
+
+    return send
+
+
+class SentBatch:
+    """Publishes one entry's claimed slots in order and records them sent in batches.
+
+    One ``mark_sent`` transaction per :data:`SEND_BATCH` published slots, the lock extended
+    after each; :meth:`flush` records the rest. A failed publish leaves the slots after it
+    claimed (re-sent later); what was published before it is still recorded by :meth:`flush`.
+    """
+
+    def __init__(self, slots: ScheduleStore, key: str, owner: str, publish: Publish,
+                 tz: tzinfo | None, keep_lock: Callable[[], None]) -> None:
+        self.slots, self.key, self.owner = slots, key, owner
+        self.publish, self.tz, self.keep_lock = publish, tz, keep_lock
+        self.done: list[float] = []
+        self.total = 0
+
+    def send(self, slots: Iterable[tuple[int, str]],
+             then: Callable[[int, str, str], None]) -> None:
+        """Publish each ``(slot, task_id)``; ``then(slot, task_id, stamp)`` after each."""
+        for slot, task_id in slots:
+            at = stamp(slot, self.tz)
+            self.publish(slot, task_id, at)
+            killpoints.after_publish()
+            self.done.append(to_seconds(slot))
+            then(slot, task_id, at)
+            if len(self.done) >= SEND_BATCH:
+                self.total += self.slots.mark_sent(self.key, self.done, self.owner)
+                self.done = []
+                self.keep_lock()
+
+    def flush(self) -> int:
+        """Record what is published and not yet recorded; the slots recorded sent in all."""
+        if self.done:
+            self.total += self.slots.mark_sent(self.key, self.done, self.owner)
+            self.done = []
+        return self.total
+
+
+class Firing:
+    """Claims the due slots of an entry and sends them (by the entry's catch-up policy)."""
+
+    def __init__(self, app: Celery, state: BeatState, sender: SenderFactory,
+                 keep_lock: Callable[[], None],
+                 definition_json: Callable[[RedBeatSchedulerEntry], str | None]) -> None:
+        self.app, self.state, self.sender = app, state, sender
+        self.keep_lock, self.definition_json = keep_lock, definition_json
+
+    def fire(self, entry: RedBeatSchedulerEntry, policy: CatchupPolicy,
+             window: windows.Missed, *, now: int, producer: Any, tz: tzinfo | None) -> int:
+        """Claim the window's slots (skipped ones recorded), send those claimed; the number
+        recorded sent."""
+        key = entry.key
+        state = self.state
+        decision = decide(policy, window.slots, window.total, now, state.started_at)
+        ids = {s: task_id_for(key, s) for s in decision.send}
+        result = state.slots.claim(
+            key, state.identity, [(to_seconds(s), ids[s]) for s in decision.send],
+            [(to_seconds(s), task_id_for(key, s)) for s, _ in decision.skipped],
+            marker=to_seconds(window.slots[-1]), definition_json=self.definition_json(entry),
+        )
+        state.markers[key] = from_seconds(result.marker)
+        killpoints.after_claim()
+        _log_skips(entry.name, decision, policy, tz)
+        claimed = {from_seconds(s) for s in result.claimed}
+        to_send = [s for s in decision.send if s in claimed]
+        to_send.extend(self._take_or_refuse(entry, result, ids, tz))
+        to_send.sort()
+        return self.send(entry, [(s, ids[s]) for s in to_send], now=now, policy=policy,
+                         producer=producer, tz=tz)
+
+    def _take_or_refuse(self, entry: RedBeatSchedulerEntry, result: ClaimResult,
+                        ids: dict[int, str], tz: tzinfo | None) -> list[int]:
+        """Slots that already had a row: take over those claimed by this beat or a dead one
+        (returned, to send), refuse the rest (``duplicate_refused``)."""
+        identity, name = self.state.identity, entry.name
+        ours = [row for row in result.existing if row.state == CLAIMED and (
+            row.owner == identity or liveness.is_dead(row.owner))]
+        taken = {from_seconds(s) for s in self.state.slots.take_over_many(
+            entry.key, [(row.slot, row.owner) for row in ours], identity)} if ours else set()
+        to_send: list[int] = []
+        for row in result.existing:
+            slot = from_seconds(row.slot)
+            if slot in taken:
+                to_send.append(slot)
+                ids.setdefault(slot, row.task_id)
+                continue
+            log.info("beat: %s slot %s already %s by %s; not sent again", name,
+                     stamp(slot, tz), row.state, row.owner,
+                     extra={"action": "duplicate_refused", "entry": name,
+                            "slot": stamp(slot, tz), "state": row.state})
+        return to_send
+
+    def send(self, entry: RedBeatSchedulerEntry, slots: Sequence[tuple[int, str]], *,
+             now: int, policy: CatchupPolicy, producer: Any, tz: tzinfo | None) -> int:
+        """Publish claimed ``(slot, task_id)`` in order, recording them sent in batches.
+
+        One producer (one broker connection) for the whole catch-up. Late slots get one
+        ``slot_caught_up`` log line per call (per slot at DEBUG) and one ``slot_caught_up``
+        signal each.
+        """
+        name = entry.name
+        grace = round(policy.grace * US)
+        started = self.state.started_at
+        signal = signals.slot_caught_up
+        debug = log.isEnabledFor(logging.DEBUG)
+        late: list[tuple[int, str]] = []
+
+        def caught_up(slot: int, task_id: str, at: str) -> None:
+            if slot < started or now - slot > grace:
+                late.append((slot, at))
+                if debug:
+                    log.debug("beat: %s slot %s caught up (%.1fs late)", name, at,
+                              (now - slot) / US, extra={"action": "slot_caught_up",
+                                                        "entry": name, "slot": at})
+                if signal.receivers:
+                    signals.send(signal, self.app, name, entry=name, slot=at,
+                                 task_id=task_id, late_seconds=(now - slot) / US)
+
+        batch = SentBatch(self.state.slots, entry.key, self.state.identity,
+                          self.sender(entry, producer), tz, self.keep_lock)
+        try:
+            batch.send(slots, caught_up)
+        except StoreUnavailable:
+            raise
+        except Exception as exc:  # broker trouble: the claimed rows are re-sent later
+            log.error("beat: sending %s failed: %s; its claimed slots are re-sent later",
+                      name, exc, extra={"action": "publish_failed", "entry": name})
+        finally:
+            if late:
+                _log_caught_up(name, late, now)
+        return batch.flush()
+
+
+def _log_skips(name: str, decision: Decision, policy: CatchupPolicy,
+               tz: tzinfo | None) -> None:
+    if decision.dropped:
+        log.warning("beat: %s: %d missed slots older than the latest %d skipped (cap)",
+                    name, decision.dropped, policy.max_slots,
+                    extra={"action": "slots_dropped", "entry": name,
+                           "count": decision.dropped})
+    for slot, why in decision.skipped:
+        log.info("beat: %s slot %s skipped (%s, policy %s)", name, stamp(slot, tz), why,
+                 policy.mode, extra={"action": "slot_skipped", "entry": name,
+                                     "slot": stamp(slot, tz), "reason": why})
+
+
+def _log_caught_up(name: str, late: Sequence[tuple[int, str]], now: int) -> None:
+    """One line for the late slots of one catch-up of an entry (``late``: oldest first)."""
+    (first, first_stamp), (last, last_stamp) = late[0], late[-1]
+    if len(late) == 1:
+        log.info("beat: %s: 1 missed slot caught up: %s (%.1fs late)", name, first_stamp,
+                 (now - first) / US, extra={"action": "slot_caught_up", "entry": name,
+                                            "count": 1, "first": first_stamp,
+                                            "last": first_stamp})
+        return
+    log.info("beat: %s: %d missed slots caught up: %s to %s (%.1fs to %.1fs late)", name,
+             len(late), first_stamp, last_stamp, (now - first) / US, (now - last) / US,
+             extra={"action": "slot_caught_up", "entry": name, "count": len(late),
+                    "first": first_stamp, "last": last_stamp})
+
+
+__all__ = ["SEND_BATCH", "Firing", "Publish", "SenderFactory", "SentBatch", "build_sender",
+           "stamp"]
