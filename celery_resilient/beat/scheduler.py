@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import tzinfo
 from typing import Any
 
@@ -34,7 +34,7 @@ from celery import Celery
 from redbeat.schedulers import RedBeatScheduler, RedBeatSchedulerEntry, ensure_conf, get_redis
 
 from celery_resilient.beat import entries, windows
-from celery_resilient.beat.firing import SEND_BATCH, Firing, Publish, SentBatch, build_sender
+from celery_resilient.beat.firing import SEND_BATCH, Firing, Publish, build_sender
 from celery_resilient.beat.killpoints import (
     KILL_AFTER_CLAIM_ENV,
     KILL_AFTER_PUBLISH_ENV,
@@ -42,6 +42,7 @@ from celery_resilient.beat.killpoints import (
 )
 from celery_resilient.beat.lock import LockKeeper, default_timeout
 from celery_resilient.beat.policy import CatchupPolicy
+from celery_resilient.beat.resend import Resender
 from celery_resilient.beat.slot_ids import task_id_for, work_key_for
 from celery_resilient.beat.state import BeatState
 from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
@@ -49,16 +50,13 @@ from celery_resilient.core import liveness
 from celery_resilient.errors import ConfigurationError, ScheduleError, StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
-from celery_resilient.store.schedule import Run, ScheduleStore
+from celery_resilient.store.schedule import ScheduleStore
 
 log = logging.getLogger(__name__)
 
 PENDING_EVERY = 5.0  # look for claimed-but-unsent slots this often
 SYNC_EVERY = 30.0  # record definitions of entries added through RedBeat's API
 PRUNE_EVERY = 3600.0
-STALE_CLAIM_SECONDS = 60.0  # a claim older than this is re-sent even if its owner may live
-PENDING_PAGE = 1000  # claimed-but-unsent rows read at a time
-PENDING_PAGES = 100  # at most this many pages per look (100,000 slots)
 RECORD_SKIPS = 1000  # at least this many of a window's latest slots are recorded when skipped
 
 class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
@@ -87,6 +85,9 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         sender = lambda entry, producer: self._sender(entry, producer)  # noqa: E731, PLW0108
         self.firing = Firing(app, self.state, sender, self.lock_keeper.keep,
                              self._definition_json)
+        self.resender = Resender(self.state, lambda: self.prefix,
+                                 lambda key: self.Entry.from_key(key, app=self.app), sender,
+                                 self.lock_keeper.keep)
         super().__init__(app, lock_key=lock_key, lock_timeout=lock_timeout, **kwargs)
         if not lock_timeout and not app.redbeat_conf.lock_timeout:
             self.lock_timeout: float = default_timeout(self.max_interval)
@@ -318,7 +319,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         self._rescore(client, decoded)
         client.set(self.generation_key, uuid.uuid4().hex, nx=True)
         self._next_sync = time.monotonic() + SYNC_EVERY
-        self._resend_pending()
+        self.resender.resend_pending()
         log.info("beat: reconciled %d entries (%d new, %d rehydrated, %d removed) in %.3fs",
                  len(decoded), len(new), rehydrated, removed, time.monotonic() - started,
                  extra={"action": "reconciled", "entries": len(decoded)})
@@ -382,7 +383,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         clock = time.monotonic()
         if clock >= self._next_pending:
             self._next_pending = clock + PENDING_EVERY
-            self._resend_pending()
+            self.resender.resend_pending()
         if clock >= self._next_sync:
             self._next_sync = clock + SYNC_EVERY
             self._sync_new_entries()
@@ -413,73 +414,6 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         self.slots.ensure_markers(rows)
         for key, m in self.slots.markers(self.prefix).items():
             self._markers.setdefault(key, from_seconds(m.last_slot))
-
-    def _resend_pending(self) -> None:
-        """Send slots that were claimed but never recorded sent (a beat died in between).
-
-        Batched as the catch-up is: per entry, one compare-and-set transaction takes the
-        rows of dead (or stale) owners, each slot is published on the one producer with its
-        own task id, and the sends are recorded per :data:`SEND_BATCH`. Pages of
-        :data:`PENDING_PAGE` rows until none is left that this beat may send.
-        """
-        db_now: float | None = None
-        gone: dict[str | None, bool] = {}
-        for _ in range(PENDING_PAGES):
-            rows = self.slots.pending(self.prefix, limit=PENDING_PAGE)
-            if not rows:
-                return
-            if db_now is None:
-                db_now = self.resilient.store.now()
-            by_entry: dict[str, list[Run]] = {}
-            for row in rows:
-                if row.owner not in gone:  # one liveness check per owner, not per row
-                    gone[row.owner] = row.owner == self.identity or liveness.is_dead(row.owner)
-                if gone[row.owner] or db_now - row.claimed_at > STALE_CLAIM_SECONDS:
-                    by_entry.setdefault(row.entry, []).append(row)
-            sent = 0
-            for key, runs in by_entry.items():
-                count, ok = self._resend_entry(key, runs)
-                sent += count
-                if not ok:
-                    return
-            if len(rows) < PENDING_PAGE or not sent:
-                return
-
-    def _resend_entry(self, key: str, rows: Sequence[Run]) -> tuple[int, bool]:
-        """Re-send one entry's claimed rows; ``(slots recorded sent, no publish failed)``."""
-        try:
-            entry = self.Entry.from_key(key, app=self.app)
-        except KeyError:
-            log.error("beat: %d claimed slots of %s cannot be re-sent: the entry is gone",
-                      len(rows), key, extra={"action": "unrecoverable", "entry": key})
-            return 0, True
-        owners = {from_seconds(row.slot): row.owner for row in rows}
-        slots = [row.slot for row in rows if row.owner == self.identity]
-        others = [(row.slot, row.owner) for row in rows if row.owner != self.identity]
-        if others:
-            slots.extend(self.slots.take_over_many(key, others, self.identity))
-        ids = {row.slot: row.task_id for row in rows}
-        tz = entries.schedule_tz(entry.schedule)
-
-        def resent(slot: int, task_id: str, at: str) -> None:
-            log.warning("beat: %s slot %s was claimed by %s but not recorded sent; "
-                        "re-sent as %s", entry.name, at, owners[slot], task_id,
-                        extra={"action": "slot_resent", "entry": entry.name,
-                               "slot": at, "task_id": task_id})
-
-        batch = SentBatch(self.slots, key, self.identity, self._sender(entry, None), tz,
-                          self.lock_keeper.keep)
-        ok = True
-        try:
-            batch.send([(from_seconds(s), ids[s]) for s in sorted(slots)], resent)
-        except StoreUnavailable:
-            raise
-        except Exception as exc:
-            log.error("beat: re-sending %s failed: %s; its claimed slots are re-sent later",
-                      entry.name, exc, extra={"action": "publish_failed",
-                                              "entry": entry.name})
-            ok = False
-        return batch.flush(), ok
 
 
 __all__ = ["KILL_AFTER_CLAIM_ENV", "KILL_AFTER_PUBLISH_ENV", "KILL_AFTER_PUBLISH_NTH_ENV",
