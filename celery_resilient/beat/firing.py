@@ -1,5 +1,11 @@
 """Firing an entry's due slots: claim them, publish them, record them sent, in batches.
 
+RedBeat decides when to look at an entry (``maybe_due``); :meth:`Firing.maybe_due` decides
+what to send: every slot between the entry's marker in the store and now, by the entry's
+catch-up policy (:mod:`.policy`, the slots from :mod:`.windows`). Afterwards RedBeat's meta
+and score follow the marker: ``last_run_at`` is the last slot, not the send time, so RedBeat's
+due time stays on the schedule's grid.
+
 The order is what makes a slot start once: every slot of a window is claimed in the store
 (one transaction that also moves the entry's marker) before any is published, and recorded
 sent only after its publish. A beat killed between the two leaves the slot ``claimed``; the
@@ -21,16 +27,16 @@ from typing import Any
 
 from celery import Celery
 from celery.beat import _evaluate_entry_args, _evaluate_entry_kwargs
-from redbeat.schedulers import RedBeatSchedulerEntry
+from redbeat.schedulers import RedBeatSchedulerEntry, get_redis
 
 from celery_resilient import signals
-from celery_resilient.beat import killpoints, windows
+from celery_resilient.beat import entries, killpoints, windows
 from celery_resilient.beat.log import log
 from celery_resilient.beat.once import ENTRY_HEADER
 from celery_resilient.beat.policy import CatchupPolicy, Decision, decide, strip_options
 from celery_resilient.beat.slot_ids import task_id_for, work_key_for
 from celery_resilient.beat.state import BeatState
-from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds
+from celery_resilient.beat.windows import US, from_seconds, from_us, to_seconds, to_us
 from celery_resilient.core import liveness, workkey
 from celery_resilient.core.states import CLAIMED
 from celery_resilient.errors import StoreUnavailable
@@ -38,6 +44,7 @@ from celery_resilient.store.schedule import ClaimResult, ScheduleStore
 from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER
 
 SEND_BATCH = 500  # slots published between two records of their sends (one transaction)
+RECORD_SKIPS = 1000  # at least this many of a window's latest slots are recorded when skipped
 
 #: Publishes one slot: ``(slot, task_id, scheduled_for)``.
 Publish = Callable[[int, str, str], None]
@@ -117,9 +124,70 @@ class Firing:
 
     def __init__(self, app: Celery, state: BeatState, sender: SenderFactory,
                  keep_lock: Callable[[], None],
-                 definition_json: Callable[[RedBeatSchedulerEntry], str | None]) -> None:
+                 policy_of: Callable[[RedBeatSchedulerEntry], CatchupPolicy]) -> None:
         self.app, self.state, self.sender = app, state, sender
-        self.keep_lock, self.definition_json = keep_lock, definition_json
+        self.keep_lock, self.policy_of = keep_lock, policy_of
+
+    def maybe_due(self, entry: RedBeatSchedulerEntry, producer: Any) -> float | None:
+        """Send the entry's due slots (by policy); return seconds until its next slot."""
+        key = entry.key
+        sched = entry.schedule
+        tz = entries.schedule_tz(sched)
+        now = to_us(self.app.now())
+        policy = self.policy_of(entry)
+        anchor = self._anchor(entry, now)
+        markers = self.state.markers
+        sent = 0
+        if not entry.enabled:
+            last = windows.latest_slot(sched, anchor, now, tz)
+            if last is not None:  # a disabled entry's slots pass unsent, not caught up later
+                markers[key] = from_seconds(self.state.slots.advance(key, to_seconds(last)))
+        else:
+            limit = max(policy.max_slots, RECORD_SKIPS)
+            window = windows.slots_between(sched, anchor, now, limit, tz)
+            if window.total:
+                sent = self.fire(entry, policy, window, now=now, producer=producer, tz=tz)
+        marker = markers[key]
+        nxt = windows.next_slot(sched, marker, tz)
+        if sent or entry.last_run_at is None or to_us(entry.last_run_at) != marker:
+            self._reschedule(entry, marker, nxt, sent, tz)
+        if not entry.enabled:
+            return 5.0
+        if nxt is None:
+            return None
+        return max((nxt - to_us(self.app.now())) / US, 0.01)
+
+    def _anchor(self, entry: RedBeatSchedulerEntry, now: int) -> int:
+        """The entry's last slot: the store's marker, else RedBeat's last_run_at, else now."""
+        key = entry.key
+        markers, slots = self.state.markers, self.state.slots
+        if key in markers:
+            return markers[key]
+        marker = slots.marker(key)
+        if marker is None:
+            base = entries.first_marker(entry.last_run_at, now)
+            slots.ensure_markers([(key, to_seconds(base), self.definition_json(entry))])
+            created = slots.marker(key)
+            assert created is not None
+            marker = created
+        markers[key] = from_seconds(marker.last_slot)
+        return markers[key]
+
+    def _reschedule(self, entry: RedBeatSchedulerEntry, marker: int, nxt: int | None,
+                    sent: int, tz: tzinfo | None) -> None:
+        """RedBeat's meta and score from the marker: ``last_run_at`` is the last slot."""
+        entry.last_run_at = from_us(marker, tz)
+        client = get_redis(self.app)
+        if not client.exists(entry.key):
+            return  # deleted meanwhile: do not leave a half entry behind
+        with client.pipeline() as pipe:
+            entries.put_meta(pipe, self.app.redbeat_conf.schedule_key, entry.key,
+                             entry.last_run_at, (entry.total_run_count or 0) + sent, nxt)
+            pipe.execute()
+
+    def definition_json(self, entry: RedBeatSchedulerEntry) -> str | None:
+        """The stored form of ``entry``'s definition (static or dynamic)."""
+        return entries.definition_json(entry, entry.name in self.state.statics)
 
     def fire(self, entry: RedBeatSchedulerEntry, policy: CatchupPolicy,
              window: windows.Missed, *, now: int, producer: Any, tz: tzinfo | None) -> int:
@@ -235,5 +303,5 @@ def _log_caught_up(name: str, late: Sequence[tuple[int, str]], now: int) -> None
                     "first": first_stamp, "last": last_stamp})
 
 
-__all__ = ["SEND_BATCH", "Firing", "Publish", "SenderFactory", "SentBatch", "build_sender",
-           "stamp"]
+__all__ = ["RECORD_SKIPS", "SEND_BATCH", "Firing", "Publish", "SenderFactory", "SentBatch",
+           "build_sender", "stamp"]
