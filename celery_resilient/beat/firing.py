@@ -98,18 +98,28 @@ class SentBatch:
         self.total = 0
 
     def send(self, slots: Iterable[tuple[int, str]],
-             then: Callable[[int, str, str], None]) -> None:
-        """Publish each ``(slot, task_id)``; ``then(slot, task_id, stamp)`` after each."""
-        for slot, task_id in slots:
-            at = stamp(slot, self.tz)
-            self.publish(slot, task_id, at)
-            killpoints.after_publish()
-            self.done.append(to_seconds(slot))
-            then(slot, task_id, at)
-            if len(self.done) >= SEND_BATCH:
-                self.total += self.slots.mark_sent(self.key, self.done, self.owner)
-                self.done = []
-                self.keep_lock()
+             then: Callable[[int, str, str], None]) -> Exception | None:
+        """Publish each ``(slot, task_id)``, ``then(slot, task_id, stamp)`` after each.
+
+        Stops at the first error and returns it (broker trouble: the slots not published
+        stay claimed and are re-sent later), except a store outage, which raises.
+        """
+        try:
+            for slot, task_id in slots:
+                at = stamp(slot, self.tz)
+                self.publish(slot, task_id, at)
+                killpoints.after_publish()
+                self.done.append(to_seconds(slot))
+                then(slot, task_id, at)
+                if len(self.done) >= SEND_BATCH:
+                    self.total += self.slots.mark_sent(self.key, self.done, self.owner)
+                    self.done = []
+                    self.keep_lock()
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            return exc
+        return None
 
     def flush(self) -> int:
         """Record what is published and not yet recorded; the slots recorded sent in all."""
@@ -117,6 +127,51 @@ class SentBatch:
             self.total += self.slots.mark_sent(self.key, self.done, self.owner)
             self.done = []
         return self.total
+
+
+class CaughtUp:
+    """The late slots of one send of an entry: each signalled (``slot_caught_up``) and
+    logged at DEBUG as it is published, then one INFO line for them all (:meth:`log`).
+
+    Late: before this beat's last reconcile (missed while no beat ran), or sent more than
+    the policy's grace after its time.
+    """
+
+    def __init__(self, app: Celery, name: str, now: int, grace: int, started: int) -> None:
+        self.app, self.name, self.now, self.grace, self.started = app, name, now, grace, started
+        self.debug = log.isEnabledFor(logging.DEBUG)
+        self.late: list[tuple[int, str]] = []  # (slot, stamp), oldest first
+
+    def __call__(self, slot: int, task_id: str, at: str) -> None:
+        """``slot`` was published as ``task_id`` (``at``: its stamp)."""
+        now, name, signal = self.now, self.name, signals.slot_caught_up
+        if not (slot < self.started or now - slot > self.grace):
+            return
+        self.late.append((slot, at))
+        if self.debug:
+            log.debug("beat: %s slot %s caught up (%.1fs late)", name, at, (now - slot) / US,
+                      extra={"action": "slot_caught_up", "entry": name, "slot": at})
+        if signal.receivers:
+            signals.send(signal, self.app, name, entry=name, slot=at, task_id=task_id,
+                         late_seconds=(now - slot) / US)
+
+    def log(self) -> None:
+        """One line for the late slots of this send, if any."""
+        if not self.late:
+            return
+        name, now = self.name, self.now
+        (first, first_stamp), (last, last_stamp) = self.late[0], self.late[-1]
+        if len(self.late) == 1:
+            log.info("beat: %s: 1 missed slot caught up: %s (%.1fs late)", name, first_stamp,
+                     (now - first) / US, extra={"action": "slot_caught_up", "entry": name,
+                                                "count": 1, "first": first_stamp,
+                                                "last": first_stamp})
+            return
+        log.info("beat: %s: %d missed slots caught up: %s to %s (%.1fs to %.1fs late)", name,
+                 len(self.late), first_stamp, last_stamp, (now - first) / US,
+                 (now - last) / US, extra={"action": "slot_caught_up", "entry": name,
+                                           "count": len(self.late), "first": first_stamp,
+                                           "last": last_stamp})
 
 
 class Firing:
@@ -243,35 +298,17 @@ class Firing:
         signal each.
         """
         name = entry.name
-        grace = round(policy.grace * US)
-        started = self.state.started_at
-        signal = signals.slot_caught_up
-        debug = log.isEnabledFor(logging.DEBUG)
-        late: list[tuple[int, str]] = []
-
-        def caught_up(slot: int, task_id: str, at: str) -> None:
-            if slot < started or now - slot > grace:
-                late.append((slot, at))
-                if debug:
-                    log.debug("beat: %s slot %s caught up (%.1fs late)", name, at,
-                              (now - slot) / US, extra={"action": "slot_caught_up",
-                                                        "entry": name, "slot": at})
-                if signal.receivers:
-                    signals.send(signal, self.app, name, entry=name, slot=at,
-                                 task_id=task_id, late_seconds=(now - slot) / US)
-
+        caught_up = CaughtUp(self.app, name, now, round(policy.grace * US),
+                             self.state.started_at)
         batch = SentBatch(self.state.slots, entry.key, self.state.identity,
                           self.sender(entry, producer), tz, self.keep_lock)
         try:
-            batch.send(slots, caught_up)
-        except StoreUnavailable:
-            raise
-        except Exception as exc:  # broker trouble: the claimed rows are re-sent later
-            log.error("beat: sending %s failed: %s; its claimed slots are re-sent later",
-                      name, exc, extra={"action": "publish_failed", "entry": name})
+            error = batch.send(slots, caught_up)
+            if error is not None:  # broker trouble: the claimed rows are re-sent later
+                log.error("beat: sending %s failed: %s; its claimed slots are re-sent later",
+                          name, error, extra={"action": "publish_failed", "entry": name})
         finally:
-            if late:
-                _log_caught_up(name, late, now)
+            caught_up.log()
         return batch.flush()
 
 
@@ -288,20 +325,5 @@ def _log_skips(name: str, decision: Decision, policy: CatchupPolicy,
                                      "slot": stamp(slot, tz), "reason": why})
 
 
-def _log_caught_up(name: str, late: Sequence[tuple[int, str]], now: int) -> None:
-    """One line for the late slots of one catch-up of an entry (``late``: oldest first)."""
-    (first, first_stamp), (last, last_stamp) = late[0], late[-1]
-    if len(late) == 1:
-        log.info("beat: %s: 1 missed slot caught up: %s (%.1fs late)", name, first_stamp,
-                 (now - first) / US, extra={"action": "slot_caught_up", "entry": name,
-                                            "count": 1, "first": first_stamp,
-                                            "last": first_stamp})
-        return
-    log.info("beat: %s: %d missed slots caught up: %s to %s (%.1fs to %.1fs late)", name,
-             len(late), first_stamp, last_stamp, (now - first) / US, (now - last) / US,
-             extra={"action": "slot_caught_up", "entry": name, "count": len(late),
-                    "first": first_stamp, "last": last_stamp})
-
-
-__all__ = ["RECORD_SKIPS", "SEND_BATCH", "Firing", "Publish", "SenderFactory", "SentBatch",
-           "build_sender", "stamp"]
+__all__ = ["RECORD_SKIPS", "SEND_BATCH", "CaughtUp", "Firing", "Publish", "SenderFactory",
+           "SentBatch", "build_sender", "stamp"]

@@ -21,7 +21,6 @@ from celery_resilient.beat.log import log
 from celery_resilient.beat.state import BeatState
 from celery_resilient.beat.windows import from_seconds
 from celery_resilient.core import liveness
-from celery_resilient.errors import StoreUnavailable
 from celery_resilient.store.schedule import Run
 
 STALE_CLAIM_SECONDS = 60.0  # a claim older than this is re-sent even if its owner may live
@@ -83,12 +82,8 @@ class Resender:
             log.error("beat: %d claimed slots of %s cannot be re-sent: the entry is gone",
                       len(rows), key, extra={"action": "unrecoverable", "entry": key})
             return 0, True
-        identity = self.state.identity
         owners = {from_seconds(row.slot): row.owner for row in rows}
-        slots = [row.slot for row in rows if row.owner == identity]
-        others = [(row.slot, row.owner) for row in rows if row.owner != identity]
-        if others:
-            slots.extend(self.state.slots.take_over_many(key, others, identity))
+        slots = self._take(key, rows)
         ids = {row.slot: row.task_id for row in rows}
 
         def resent(slot: int, task_id: str, at: str) -> None:
@@ -97,19 +92,25 @@ class Resender:
                         extra={"action": "slot_resent", "entry": entry.name,
                                "slot": at, "task_id": task_id})
 
-        batch = SentBatch(self.state.slots, key, identity, self.sender(entry, None),
-                          entries.schedule_tz(entry.schedule), self.keep_lock)
-        ok = True
-        try:
-            batch.send([(from_seconds(s), ids[s]) for s in sorted(slots)], resent)
-        except StoreUnavailable:
-            raise
-        except Exception as exc:
+        batch = SentBatch(self.state.slots, key, self.state.identity,
+                          self.sender(entry, None), entries.schedule_tz(entry.schedule),
+                          self.keep_lock)
+        error = batch.send([(from_seconds(s), ids[s]) for s in sorted(slots)], resent)
+        if error is not None:
             log.error("beat: re-sending %s failed: %s; its claimed slots are re-sent later",
-                      entry.name, exc, extra={"action": "publish_failed",
-                                              "entry": entry.name})
-            ok = False
-        return batch.flush(), ok
+                      entry.name, error, extra={"action": "publish_failed",
+                                                "entry": entry.name})
+        return batch.flush(), error is None
+
+    def _take(self, key: str, rows: Sequence[Run]) -> list[float]:
+        """The slots of ``rows`` this beat may send now: its own claims, and those it took
+        over (one compare-and-set transaction: of two beats, one wins each row)."""
+        identity = self.state.identity
+        slots = [row.slot for row in rows if row.owner == identity]
+        others = [(row.slot, row.owner) for row in rows if row.owner != identity]
+        if others:
+            slots.extend(self.state.slots.take_over_many(key, others, identity))
+        return slots
 
 
 __all__ = ["PENDING_PAGE", "PENDING_PAGES", "STALE_CLAIM_SECONDS", "Resender"]
