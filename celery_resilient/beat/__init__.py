@@ -4,6 +4,13 @@
 lives in :mod:`.windows`, catch-up policies in :mod:`.policy`, slot SQL in
 :mod:`celery_resilient.store.schedule`, the worker's one-start-per-slot check for plain tasks
 in :mod:`.once`.
+
+The scheduler (:mod:`.scheduler`) keeps RedBeat's and Celery's surface and composes one part
+per job: :mod:`.lock` (RedBeat's lock), :mod:`.firing` (claim, publish, record sent),
+:mod:`.resend` (claimed-but-unsent slots), :mod:`.reconcile` (Redis against the store's
+markers), :mod:`.maintenance` (the timed chores), sharing :mod:`.state`; :mod:`.entries`
+(RedBeat's entry records), :mod:`.slot_ids` (a slot's task id and work key),
+:mod:`.killpoints` (test-only) and :mod:`.log` (the one beat logger) serve them.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
+from celery import Celery
 from redbeat.decoder import RedBeatJSONEncoder
 from redbeat.schedulers import RedBeatSchedulerEntry
 
@@ -22,6 +23,12 @@ from celery_resilient.errors import ScheduleError
 
 #: RedBeat's ``definition`` and ``meta`` of an entry's hash (None where missing).
 Hash = tuple[str | None, str | None]
+
+
+def key_prefix(app: Celery) -> str:
+    """RedBeat's key prefix (``redbeat_key_prefix``): every entry key of this app starts so."""
+    prefix: str = app.redbeat_conf.key_prefix
+    return prefix
 
 
 def read_hashes(client: Any, keys: Iterable[str]) -> dict[str, Hash]:
@@ -102,5 +109,5 @@ def load_object(text: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-__all__ = ["Hash", "check_interval", "definition_json", "first_marker", "load_object",
-           "put_meta", "read_hashes", "schedule_tz", "unwrap", "wrap"]
+__all__ = ["Hash", "check_interval", "definition_json", "first_marker", "key_prefix",
+           "load_object", "put_meta", "read_hashes", "schedule_tz", "unwrap", "wrap"]

@@ -201,7 +201,7 @@ class Firing:
             limit = max(policy.max_slots, RECORD_SKIPS)
             window = windows.slots_between(sched, anchor, now, limit, tz)
             if window.total:
-                sent = self.fire(entry, policy, window, now=now, producer=producer, tz=tz)
+                sent = self._fire(entry, policy, window, now=now, producer=producer, tz=tz)
         marker = markers[key]
         nxt = windows.next_slot(sched, marker, tz)
         if sent or entry.last_run_at is None or to_us(entry.last_run_at) != marker:
@@ -221,7 +221,7 @@ class Firing:
         marker = slots.marker(key)
         if marker is None:
             base = entries.first_marker(entry.last_run_at, now)
-            slots.ensure_markers([(key, to_seconds(base), self.definition_json(entry))])
+            slots.ensure_markers([(key, to_seconds(base), self._definition_json(entry))])
             created = slots.marker(key)
             assert created is not None
             marker = created
@@ -240,11 +240,11 @@ class Firing:
                              entry.last_run_at, (entry.total_run_count or 0) + sent, nxt)
             pipe.execute()
 
-    def definition_json(self, entry: RedBeatSchedulerEntry) -> str | None:
+    def _definition_json(self, entry: RedBeatSchedulerEntry) -> str | None:
         """The stored form of ``entry``'s definition (static or dynamic)."""
         return entries.definition_json(entry, entry.name in self.state.statics)
 
-    def fire(self, entry: RedBeatSchedulerEntry, policy: CatchupPolicy,
+    def _fire(self, entry: RedBeatSchedulerEntry, policy: CatchupPolicy,
              window: windows.Missed, *, now: int, producer: Any, tz: tzinfo | None) -> int:
         """Claim the window's slots (skipped ones recorded), send those claimed; the number
         recorded sent."""
@@ -255,7 +255,7 @@ class Firing:
         result = state.slots.claim(
             key, state.identity, [(to_seconds(s), ids[s]) for s in decision.send],
             [(to_seconds(s), task_id_for(key, s)) for s, _ in decision.skipped],
-            marker=to_seconds(window.slots[-1]), definition_json=self.definition_json(entry),
+            marker=to_seconds(window.slots[-1]), definition_json=self._definition_json(entry),
         )
         state.markers[key] = from_seconds(result.marker)
         killpoints.after_claim()
@@ -264,7 +264,7 @@ class Firing:
         to_send = [s for s in decision.send if s in claimed]
         to_send.extend(self._take_or_refuse(entry, result, ids, tz))
         to_send.sort()
-        return self.send(entry, [(s, ids[s]) for s in to_send], now=now, policy=policy,
+        return self._send(entry, [(s, ids[s]) for s in to_send], now=now, policy=policy,
                          producer=producer, tz=tz)
 
     def _take_or_refuse(self, entry: RedBeatSchedulerEntry, result: ClaimResult,
@@ -289,7 +289,7 @@ class Firing:
                             "slot": stamp(slot, tz), "state": row.state})
         return to_send
 
-    def send(self, entry: RedBeatSchedulerEntry, slots: Sequence[tuple[int, str]], *,
+    def _send(self, entry: RedBeatSchedulerEntry, slots: Sequence[tuple[int, str]], *,
              now: int, policy: CatchupPolicy, producer: Any, tz: tzinfo | None) -> int:
         """Publish claimed ``(slot, task_id)`` in order, recording them sent in batches.
 

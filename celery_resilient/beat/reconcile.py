@@ -57,8 +57,7 @@ class Reconciler:
 
     @property
     def prefix(self) -> str:
-        prefix: str = self.app.redbeat_conf.key_prefix
-        return prefix
+        return entries.key_prefix(self.app)
 
     @property
     def generation_key(self) -> str:

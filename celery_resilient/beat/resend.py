@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from celery import Celery
 from redbeat.schedulers import RedBeatSchedulerEntry
 
 from celery_resilient.beat import entries
@@ -31,10 +32,10 @@ PENDING_PAGES = 100  # at most this many pages per look (100,000 slots)
 class Resender:
     """Finds the claimed-but-unsent slots this beat may send, and sends them again."""
 
-    def __init__(self, state: BeatState, prefix: Callable[[], str],
-                 entry_of: Callable[[str], RedBeatSchedulerEntry], sender: SenderFactory,
+    def __init__(self, app: Celery, state: BeatState,
+                 entry_class: type[RedBeatSchedulerEntry], sender: SenderFactory,
                  keep_lock: Callable[[], None]) -> None:
-        self.state, self.prefix, self.entry_of = state, prefix, entry_of
+        self.app, self.state, self.entry_class = app, state, entry_class
         self.sender, self.keep_lock = sender, keep_lock
 
     def resend_pending(self) -> None:
@@ -48,7 +49,7 @@ class Resender:
         db_now: float | None = None
         gone: dict[str | None, bool] = {}
         for _ in range(PENDING_PAGES):
-            rows = self.state.slots.pending(self.prefix(), limit=PENDING_PAGE)
+            rows = self.state.slots.pending(entries.key_prefix(self.app), limit=PENDING_PAGE)
             if not rows:
                 return
             if db_now is None:
@@ -77,7 +78,7 @@ class Resender:
     def _resend_entry(self, key: str, rows: Sequence[Run]) -> tuple[int, bool]:
         """Re-send one entry's claimed rows; ``(slots recorded sent, no publish failed)``."""
         try:
-            entry = self.entry_of(key)
+            entry = self.entry_class.from_key(key, app=self.app)
         except KeyError:
             log.error("beat: %d claimed slots of %s cannot be re-sent: the entry is gone",
                       len(rows), key, extra={"action": "unrecoverable", "entry": key})

@@ -98,9 +98,7 @@ class ResilientScheduler(RedBeatScheduler):  # type: ignore[misc]
         # ``_sender`` is looked up at each send, so one patched on the class still applies.
         sender = lambda entry, producer: self._sender(entry, producer)  # noqa: E731, PLW0108
         self.firing = Firing(app, self.state, sender, keep, self._policy)
-        self.resender = Resender(self.state, lambda: self.prefix,
-                                 lambda key: self.Entry.from_key(key, app=self.app), sender,
-                                 keep)
+        self.resender = Resender(app, self.state, self.Entry, sender, keep)
         self.reconciler = Reconciler(app, self.state, self.Entry)
         self.maintenance = Maintenance(self.state, self.resender.resend_pending,
                                        self.reconciler.sync_new_entries)
