@@ -78,6 +78,10 @@ class ResilientConfig:
     store_retry_base: float = 1.0
     store_retry_max: float = 60.0
     durable_submit: bool = False
+    #: Names the broker when workers reach one broker through different addresses (NAT, a
+    #: proxy): workers of one store on different brokers refuse to start side by side
+    #: (celery_resilient.broker.identity), judged by address unless this is set.
+    broker_name: str | None = None
     #: On a Redis broker, the worker consumes through
     #: :mod:`celery_resilient.broker.transport` (an atomic fetch into a holding that the
     #: store's judgement of who is gone gives back), unless ``broker_transport`` is set.
@@ -300,6 +304,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "store_retry_base": _as_float,
     "store_retry_max": _as_float,
     "durable_submit": _as_bool,
+    "broker_name": _as_str,
     "reliable_fetch": _as_bool,
     "batched_takes": _as_bool,
     "submit_timeout": _as_float,

@@ -26,6 +26,7 @@ from celery_resilient.store.records import (
     UNJUDGED,
     GoneIncarnations,
     IncarnationRow,
+    LiveBroker,
 )
 
 log = logging.getLogger(__name__)
@@ -37,18 +38,37 @@ class Incarnations(Database):
     # -- incarnations: one lease row per worker start ------------------------------------
 
     @guarded
-    def register(self, owner: Owner, process: str, lease_seconds: float) -> None:
-        """Record this worker incarnation with its first lease (worker start)."""
+    def register(self, owner: Owner, process: str, lease_seconds: float,
+                 broker: str | None = None) -> None:
+        """Record this worker incarnation with its first lease and its broker (worker
+        start; ``broker`` as :meth:`BrokerIdentity.dumps
+        <celery_resilient.broker.identity.BrokerIdentity.dumps>` writes it)."""
         wk = self.t.workers
         now = self.dialect.now()
         ins = self.dialect.insert(wk).values(
             incarnation=owner.incarnation, node=owner.node, pid=owner.pid, process=process,
-            started_at=now, heartbeat_at=now, lease_expires_at=now + lease_seconds)
+            started_at=now, heartbeat_at=now, lease_expires_at=now + lease_seconds,
+            broker=broker)
         with self.begin() as conn:
             conn.execute(ins.on_conflict_do_update(
                 index_elements=[wk.c.incarnation],
                 set_={"heartbeat_at": now, "lease_expires_at": now + lease_seconds,
-                      "process": process}))
+                      "process": process, "broker": broker}))
+
+    @guarded
+    def live_brokers(self, owner: Owner) -> list[LiveBroker]:
+        """The brokers the other live incarnations of this store recorded (not stopped,
+        lease not expired; an earlier version's, which recorded none, left out)."""
+        wk = self.t.workers
+        now = self.dialect.now()
+        with self.reading() as conn:
+            rows = conn.execute(
+                select(wk.c.node, wk.c.incarnation, wk.c.broker,
+                       (now - wk.c.heartbeat_at).label("renewed_ago"))
+                .where(wk.c.incarnation != owner.incarnation, wk.c.stopped_at.is_(None),
+                       wk.c.broker.is_not(None), wk.c.lease_expires_at > now)).all()
+        return [LiveBroker(r.node, r.incarnation, r.broker, float(r.renewed_ago))
+                for r in rows]
 
     @guarded
     def heartbeat(self, owner: Owner, lease_seconds: float) -> bool:

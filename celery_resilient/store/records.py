@@ -137,6 +137,18 @@ class IncarnationRow:
 
 
 @dataclass(frozen=True)
+class LiveBroker:
+    """The broker a live incarnation of the store recorded at its start."""
+
+    node: str
+    incarnation: str
+    #: As :class:`celery_resilient.broker.identity.BrokerIdentity` dumps it.
+    broker: str
+    #: Seconds since it last renewed its lease (the store's clock).
+    renewed_ago: float
+
+
+@dataclass(frozen=True)
 class WorkInfo:
     """One work row as operators and tests see it (the stored message is summarised, not shown)."""
 

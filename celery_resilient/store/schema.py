@@ -173,6 +173,9 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("liveness_server", Float, nullable=True),
         # How it came to be stopped (migration 0007): stop, process, successor, session.
         Column("ended_by", String(16), nullable=True),
+        # The broker it consumes from (celery_resilient.broker.identity, JSON; migration
+        # 0009): a worker refuses to start beside a live one of this store on another broker.
+        Column("broker", Text, nullable=True),
         Index(f"ix_{p}workers_node", "node"),
         Index(f"ix_{p}workers_heartbeat_at", "heartbeat_at"),  # retention
         Index(f"ix_{p}workers_stopped_at", "stopped_at"),  # retention

@@ -6,6 +6,11 @@ import logging
 from typing import Any
 
 from celery_resilient.broker import selection
+from celery_resilient.broker.identity import BrokerIdentity
+from celery_resilient.core.identity import Owner
+from celery_resilient.errors import ConfigurationError
+from celery_resilient.runtime.runtime import Runtime
+from celery_resilient.store.engine import sanitize_url
 from celery_resilient.tasks.task import ResumableTask
 
 log = logging.getLogger(__name__)
@@ -64,3 +69,31 @@ def _consumer_timeout(app: Any, task: Any, opts: dict[str, Any]) -> tuple[float,
     if "consumer_timeout_seconds" in opts:
         return float(opts["consumer_timeout_seconds"]), "broker_transport_options"
     return RABBITMQ_DEFAULT_CONSUMER_TIMEOUT, "RabbitMQ's default"
+
+
+def refuse_foreign_brokers(rt: Runtime, owner: Owner, mine: BrokerIdentity) -> None:
+    """Refuse to start beside a live worker of this store that consumes from another broker.
+
+    Each worker re-publishes the work the store holds (orphans, hand-offs, a lost broker's
+    queue) into its own broker: two brokers on one store and table prefix would send each
+    other's work where nobody consumes it. Called after this incarnation registered, so two
+    such workers starting at once both see the other. The refused incarnation is marked
+    stopped (it holds nothing yet), and the error ends the worker's start.
+    """
+    for other in rt.store.live_brokers(owner):
+        theirs = BrokerIdentity.loads(other.broker)
+        if theirs is None or mine.same_broker(theirs):
+            continue
+        rt.store.mark_stopped(owner, rt.config.submit_timeout)
+        raise ConfigurationError(
+            f"refusing to start: this store ({sanitize_url(rt.config.store_url)}, "
+            f"resilient_table_prefix={rt.config.table_prefix!r}) is used by worker "
+            f"{other.node} (lease renewed {other.renewed_ago:.0f}s ago) on broker "
+            f"{theirs.shown}, and this worker's broker is {mine.shown}. Workers re-publish "
+            "the store's work into their own broker, so two brokers sharing one store lose "
+            "each other's work. Give each app its own resilient_table_prefix (or "
+            "resilient_store_url), or point both at one broker; if both addresses reach the "
+            "same broker, set resilient_broker_name to one name on every worker. A worker "
+            "that was killed counts until its lease ends "
+            f"(resilient_lease_seconds={rt.config.lease_seconds:g})."
+        )

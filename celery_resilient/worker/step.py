@@ -20,6 +20,7 @@ from typing import Any
 from celery import bootsteps
 from celery import signals as celery_signals
 
+from celery_resilient.broker import identity as broker_identity
 from celery_resilient.core import handoff, identity, liveness
 from celery_resilient.core.identity import Owner
 from celery_resilient.errors import ResilientError
@@ -148,8 +149,10 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         handoff.reset()
         startup(rt, owner)
         rt.receipts.max_bytes = rt.config.receipt_buffer_bytes
-        rt.store.register(owner, liveness.current(), rt.config.lease_seconds)
+        broker = broker_identity.of_app(worker.app, rt.config.broker_name)
+        rt.store.register(owner, liveness.current(), rt.config.lease_seconds, broker.dumps())
         settle_predecessors(rt, owner)
+        checks.refuse_foreign_brokers(rt, owner, broker)
         self.keeper = LeaseKeeper(rt, owner)
         self.keeper.start()
         gate = ConsumptionGate(worker)

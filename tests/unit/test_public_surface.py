@@ -18,7 +18,8 @@ PUBLIC_NAMES = {
     "StoreUnavailable", "WorkDead", "WorkKeyConflict", "WorkStopped",
 }
 SETTINGS = {
-    "auto_migrate", "batched_takes", "beat_run_retention", "catchup", "catchup_deadline",
+    "auto_migrate", "batched_takes", "beat_run_retention", "broker_name", "catchup",
+    "catchup_deadline",
     "catchup_grace", "catchup_max_slots", "context_cache_size", "context_cache_ttl",
     "context_cache_url", "context_retention", "durable_submit", "fence_margin",
     "heartbeat_interval", "lease_seconds", "ledger_retention", "liveness_url", "max_attempts",
