@@ -56,6 +56,14 @@ class Incarnations(Database):
                       "process": process, "broker": broker}))
 
     @guarded
+    def record_broker(self, owner: Owner, broker: str) -> None:
+        """Replace the broker this incarnation recorded (its marker's token changed)."""
+        wk = self.t.workers
+        with self.single() as conn:
+            conn.execute(update(wk).where(wk.c.incarnation == owner.incarnation)
+                         .values(broker=broker))
+
+    @guarded
     def live_brokers(self, owner: Owner) -> list[LiveBroker]:
         """The brokers the other live incarnations of this store recorded (not stopped,
         lease not expired; an earlier version's, which recorded none, left out)."""

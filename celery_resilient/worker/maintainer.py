@@ -7,6 +7,7 @@ and stops the pruning thread beside it (:mod:`.pruner`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -14,6 +15,7 @@ import time
 from celery.worker.state import active_requests
 
 from celery_resilient.broker.generation import BrokerMarker
+from celery_resilient.broker.identity import BrokerIdentity
 from celery_resilient.core import identity
 from celery_resilient.core.identity import Owner
 from celery_resilient.errors import StoreUnavailable
@@ -49,12 +51,18 @@ def executing_task_ids() -> frozenset[str] | None:
         return None
 
 
+def store_marker(rt: Runtime) -> BrokerMarker:
+    """The marker of ``rt``'s store in its broker (one per store URL and table prefix)."""
+    return BrokerMarker(f"{sanitize_url(rt.config.store_url)} {rt.config.table_prefix}")
+
+
 class Maintainer(threading.Thread):
     """Flushes receipts and outcomes, releases dead claims and sweeps orphans until stopped;
     retention runs beside it on :class:`~celery_resilient.worker.pruner.PruneThread`."""
 
     def __init__(self, rt: Runtime, owner: Owner, keeper: LeaseKeeper | None = None,
-                 gate: ConsumptionGate | None = None) -> None:
+                 gate: ConsumptionGate | None = None, marker: BrokerMarker | None = None,
+                 broker: BrokerIdentity | None = None) -> None:
         super().__init__(name="celery-resilient-maintainer", daemon=True)
         self.rt = rt
         self.owner = owner
@@ -67,8 +75,10 @@ class Maintainer(threading.Thread):
         #: Gives back what gone workers held on a Redis broker (the reliable fetch).
         self.holding = HoldingSweep(rt, owner)
         #: Tells when the broker lost its data (a Redis restarted empty).
-        self.marker = BrokerMarker(f"{sanitize_url(rt.config.store_url)} "
-                                   f"{rt.config.table_prefix}")
+        self.marker = marker or store_marker(rt)
+        #: The broker this incarnation recorded (None: it records none), kept current with
+        #: the marker's token, which a broker that lost its data gets anew.
+        self.broker = broker
         #: Monotonic time of the last failed round (None: none yet).
         self.last_failure: float | None = None
         self.pruning = pruner.PruneThread(rt)
@@ -217,6 +227,7 @@ class Maintainer(threading.Thread):
                     if not self.draining:
                         recovery.sweep(self.rt, self.owner, self.judge_leases(), self.holding,
                                        self.broker_seen, self.marker)
+                        self.record_marker()
                     next_sweep = now + cfg.sweep_interval
                     self.rounds += 1
                 failures = 0
@@ -242,6 +253,16 @@ class Maintainer(threading.Thread):
             elif self.rt.receipts.arrived.wait(min(wait, REVOKE_POLL_SECONDS)):
                 # woken early for new receipts or outcomes: let a burst gather first
                 self._stop_event.wait(RECEIPT_COALESCE_SECONDS)
+
+    def record_marker(self) -> None:
+        """Record the broker marker's token when it changed (set at this worker's first
+        sweep, or anew after the broker lost its data), so workers starting later on this
+        broker, through whatever address, are recognised as its own."""
+        if self.broker is None or self.marker.seen == self.broker.marker:
+            return
+        broker = dataclasses.replace(self.broker, marker=self.marker.seen)
+        self.rt.store.record_broker(self.owner, broker.dumps())
+        self.broker = broker
 
     def give_back_first(self) -> None:
         """Before the consumer starts: what gone incarnations held (a predecessor this

@@ -124,6 +124,19 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
     return sent
 
 
+def first_look(rt: Runtime, marker: BrokerMarker) -> None:
+    """At a worker's start, before it consumes: the marker step of a sweep
+    (:func:`resend_lost`), so the worker knows its broker's marker when it registers. A broker
+    or store that does not answer is left to the first sweep."""
+    try:
+        with rt.app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT)
+            resend_lost(rt, conn, marker)
+    except Exception as exc:
+        log.warning("could not read the broker's marker at start (%s); the first sweep does",
+                    exc, extra={"action": "broker_marker_unread"})
+
+
 def resend_lost(rt: Runtime, conn: Any, marker: BrokerMarker) -> None:
     """A broker that lost its data (:mod:`celery_resilient.broker.generation`): what the
     store holds for it is made due, and this sweep's orphans send it. The marker is set

@@ -13,6 +13,7 @@ only after the pool is empty (``worker_shutdown``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -28,12 +29,12 @@ from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import PROVEN_DEAD, SESSION_ALIVE, UNJUDGED
 from celery_resilient.tasks import finishes
-from celery_resilient.worker import checks, holding_sweep, pool_drain
+from celery_resilient.worker import checks, holding_sweep, pool_drain, recovery
 from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.dispatch import BatchedDispatch
 from celery_resilient.worker.fencing import FencingGuard
 from celery_resilient.worker.lease import LeaseKeeper
-from celery_resilient.worker.maintainer import Maintainer
+from celery_resilient.worker.maintainer import Maintainer, store_marker
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,10 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         handoff.reset()
         startup(rt, owner)
         rt.receipts.max_bytes = rt.config.receipt_buffer_bytes
-        broker = broker_identity.of_app(worker.app, rt.config.broker_name)
+        marker = store_marker(rt)
+        recovery.first_look(rt, marker)
+        broker = dataclasses.replace(broker_identity.of_app(worker.app, rt.config.broker_name),
+                                     marker=marker.seen)
         rt.store.register(owner, liveness.current(), rt.config.lease_seconds, broker.dumps())
         settle_predecessors(rt, owner)
         checks.refuse_foreign_brokers(rt, owner, broker)
@@ -161,7 +165,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.guard.start()
         log.info("celery-resilient: liveness=%s fence_after=%gs", self.guard.describe(),
                  rt.config.fence_after, extra={"action": "startup"})
-        self.maintainer = Maintainer(rt, owner, self.keeper, gate)
+        self.maintainer = Maintainer(rt, owner, self.keeper, gate, marker, broker)
         self.maintainer.give_back_first()
         self.maintainer.start()
         self.dispatch = _batched_dispatch(rt, owner, worker)

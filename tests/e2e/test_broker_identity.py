@@ -8,12 +8,19 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 
+from celery_resilient.broker.identity import BrokerIdentity
+from celery_resilient.core.identity import Owner
 from celery_resilient.testing import wait_for
+from celery_resilient.testing.services import ThrowawayRedis
 
 from .conftest import Project
 
 pytestmark = pytest.mark.e2e
+#: Another loopback address of this host: the same server, an address that does not resolve
+#: to 127.0.0.1.
+OTHER_ADDRESS = "127.0.0.2"
 
 
 def test_a_worker_on_another_broker_of_the_same_store_is_refused(
@@ -48,3 +55,45 @@ def test_a_worker_on_another_broker_of_the_same_store_is_refused(
     refused.start()
     moved = on_rabbit.send("sleeper", 0.1, task_id="after-the-move")
     wait_for(lambda: on_rabbit.state(moved) == "done", 30, "the task on the new broker to end")
+
+
+def _recorded(project: Project, node: str) -> BrokerIdentity | None:
+    for row in project.store.live_brokers(Owner("nobody@test", "none", 0)):
+        if row.node.startswith(f"{node}@"):
+            return BrokerIdentity.loads(row.broker)
+    return None
+
+
+def test_one_redis_through_addresses_that_do_not_meet_is_one_broker(
+        make_project: Callable[..., Project]) -> None:
+    """A worker that reaches the broker by another address (a network namespace, NAT) is
+    recognised by the store's marker in it, also after the broker lost its data; another
+    Redis is refused."""
+    shared = ThrowawayRedis(also_listen=[OTHER_ADDRESS]).start()
+    other = ThrowawayRedis().start()
+    try:
+        outside = make_project(shared.url)
+        inside = make_project(shared.url_on(OTHER_ADDRESS))
+        outside.worker(name="outside")
+        seen = wait_for(lambda: _recorded(outside, "outside"), 10, "the outside worker's row")
+        assert seen.marker is not None, "the marker was read at start"
+        inside.worker(name="inside")
+        key = inside.send("sleeper", 0.1, task_id="through-the-other-address")
+        wait_for(lambda: inside.state(key) == "done", 30, "its task to end")
+
+        redis.Redis.from_url(shared.url).flushall()  # the broker lost its data: a new marker
+        renewed = wait_for(
+            lambda: (r := _recorded(outside, "outside")) is not None
+            and r.marker not in (None, seen.marker) and r, 30,
+            "the outside worker to record the broker's new marker")
+        wait_for(lambda: (r := _recorded(inside, "inside")) is not None
+                 and r.marker == renewed.marker, 30, "the inside worker to record it too")
+        inside.worker(name="later")  # starts: the same broker by its new marker
+
+        refused = make_project(other.url).worker(name="elsewhere", start=False)
+        with pytest.raises(RuntimeError, match="exited during start"):
+            refused.start()
+        assert "refusing to start" in refused.process.logs()
+    finally:
+        other.destroy()
+        shared.destroy()
