@@ -35,6 +35,21 @@ class BrokerMarker:
         self.suffix = hashlib.sha256(store.encode()).hexdigest()[:12]
         #: The marker this process last saw (None: none yet).
         self.seen: str | None = None
+        #: The broker's own token (:data:`keys.BROKER_TOKEN`) as last read; None: not a
+        #: Redis broker, or not read yet.
+        self.broker_token: str | None = None
+
+    def read_broker_token(self, channel: Any) -> str | None:
+        """Read the broker's token, setting one if it has none (a new or wiped Redis)."""
+        if not holdings.is_redis(channel):
+            return None
+        key = f"{channel.global_keyprefix or ''}{keys.BROKER_TOKEN}"
+        pipe = holdings.raw_client(channel).pipeline(transaction=False)
+        pipe.set(key, uuid.uuid4().hex, nx=True)
+        pipe.get(key)
+        token = pipe.execute()[1]
+        self.broker_token = None if token is None else bytes_to_str(token)
+        return self.broker_token
 
     def missing(self, channel: Any) -> bool:
         """Whether ``channel``'s Redis has lost its marker; False for other brokers."""

@@ -11,9 +11,9 @@ written and for each address it resolves to (so ``localhost`` and ``127.0.0.1`` 
 the transport options that make one server several brokers (Redis's ``global_keyprefix``,
 Sentinel's ``master_name``). Two workers use the same broker when their endpoints meet: a
 failover list counts as one broker. Where the addresses do not meet (a worker in a network
-namespace, NAT, a proxy), a Redis broker is recognised by the token of the store's marker in
-it, which every worker of the store reads at its start; any other broker needs
-``resilient_broker_name`` to name it.
+namespace, NAT, a proxy), a Redis broker is recognised by a token it keeps
+(``keys.BROKER_TOKEN``), which every worker reads at its start and each sweep; any other
+broker needs ``resilient_broker_name`` to name it.
 """
 
 from __future__ import annotations
@@ -46,28 +46,28 @@ class BrokerIdentity:
     shown: str
     #: Endpoints; two identities name one broker when these meet.
     endpoints: frozenset[str]
-    #: The token of the store's marker in this broker as the worker last saw it
-    #: (:mod:`celery_resilient.broker.generation`; Redis only): one broker reached through
-    #: addresses that do not meet (a network namespace, NAT) shows both workers one token.
-    marker: str | None = None
+    #: The broker's own token as the worker last read it (``keys.BROKER_TOKEN``; Redis
+    #: only): one broker reached through addresses that do not meet (a network namespace,
+    #: NAT) shows both workers one token.
+    token: str | None = None
 
     def same_broker(self, other: BrokerIdentity) -> bool:
         if self.endpoints & other.endpoints:
             return True
-        return self.marker is not None and self.marker == other.marker
+        return self.token is not None and self.token == other.token
 
     def dumps(self) -> str:
         return json.dumps({"shown": self.shown, "endpoints": sorted(self.endpoints),
-                           "marker": self.marker}, separators=(",", ":"))
+                           "token": self.token}, separators=(",", ":"))
 
     @classmethod
     def loads(cls, text: str) -> BrokerIdentity | None:
         """The identity another worker recorded; None when it is unreadable (never fatal)."""
         try:
             data = json.loads(text)
-            marker = data.get("marker")
+            token = data.get("token")
             return cls(str(data["shown"]), frozenset(str(e) for e in data["endpoints"]),
-                       None if marker is None else str(marker))
+                       None if token is None else str(token))
         except (ValueError, TypeError, KeyError, AttributeError):
             return None
 

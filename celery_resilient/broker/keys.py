@@ -7,6 +7,9 @@
   of their last held fetch, so a sweeper finds them without scanning the keyspace.
 - ``resilient.generation.<store digest>``: a marker per store, set once and never expiring;
   its absence says the broker lost its data (:mod:`.generation`).
+- ``resilient.broker``: a token per Redis (and key prefix), set once and never expiring: two
+  workers that read one token consume from one broker, whatever address each reaches it by
+  (:mod:`.identity`).
 
 Keys are given here without kombu's ``global_keyprefix``; whoever sends them adds it.
 """
@@ -21,6 +24,7 @@ from kombu.utils.encoding import bytes_to_str
 HOLDING_PREFIX = "resilient.holding."
 HOLDERS = "resilient.holders"
 GENERATION = "resilient.generation"
+BROKER_TOKEN = "resilient.broker"
 #: A list nothing is pushed to: BLPOP on it is a server-side sleep (Redis older than 6.2).
 NEVER = "resilient.never"
 

@@ -77,7 +77,7 @@ class Maintainer(threading.Thread):
         #: Tells when the broker lost its data (a Redis restarted empty).
         self.marker = marker or store_marker(rt)
         #: The broker this incarnation recorded (None: it records none), kept current with
-        #: the marker's token, which a broker that lost its data gets anew.
+        #: the broker's token, which a broker that lost its data gets anew.
         self.broker = broker
         #: Monotonic time of the last failed round (None: none yet).
         self.last_failure: float | None = None
@@ -227,7 +227,7 @@ class Maintainer(threading.Thread):
                     if not self.draining:
                         recovery.sweep(self.rt, self.owner, self.judge_leases(), self.holding,
                                        self.broker_seen, self.marker)
-                        self.record_marker()
+                        self.record_broker_token()
                     next_sweep = now + cfg.sweep_interval
                     self.rounds += 1
                 failures = 0
@@ -254,13 +254,14 @@ class Maintainer(threading.Thread):
                 # woken early for new receipts or outcomes: let a burst gather first
                 self._stop_event.wait(RECEIPT_COALESCE_SECONDS)
 
-    def record_marker(self) -> None:
-        """Record the broker marker's token when it changed (set at this worker's first
-        sweep, or anew after the broker lost its data), so workers starting later on this
-        broker, through whatever address, are recognised as its own."""
-        if self.broker is None or self.marker.seen == self.broker.marker:
+    def record_broker_token(self) -> None:
+        """Record the broker's token when it changed (unread at start, or new after the
+        broker lost its data), so workers starting later on this broker, through whatever
+        address, are recognised as its own."""
+        token = self.marker.broker_token
+        if self.broker is None or token is None or token == self.broker.token:
             return
-        broker = dataclasses.replace(self.broker, marker=self.marker.seen)
+        broker = dataclasses.replace(self.broker, token=token)
         self.rt.store.record_broker(self.owner, broker.dumps())
         self.broker = broker
 

@@ -125,16 +125,16 @@ def sweep(rt: Runtime, owner: Owner, judge_leases: bool = True,
 
 
 def first_look(rt: Runtime, marker: BrokerMarker) -> None:
-    """At a worker's start, before it consumes: the marker step of a sweep
-    (:func:`resend_lost`), so the worker knows its broker's marker when it registers. A broker
-    or store that does not answer is left to the first sweep."""
+    """At a worker's start, before it registers: read the broker's token
+    (:meth:`BrokerMarker.read_broker_token`), which its broker identity carries. A broker
+    that does not answer is left to the first sweep."""
     try:
         with rt.app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT)
-            resend_lost(rt, conn, marker)
+            marker.read_broker_token(conn.default_channel)
     except Exception as exc:
-        log.warning("could not read the broker's marker at start (%s); the first sweep does",
-                    exc, extra={"action": "broker_marker_unread"})
+        log.warning("could not read the broker's token at start (%s); the first sweep does",
+                    exc, extra={"action": "broker_token_unread"})
 
 
 def resend_lost(rt: Runtime, conn: Any, marker: BrokerMarker) -> None:
@@ -142,6 +142,7 @@ def resend_lost(rt: Runtime, conn: Any, marker: BrokerMarker) -> None:
     store holds for it is made due, and this sweep's orphans send it. The marker is set
     again only after the store heard: a store that fails here leaves it for the next round."""
     channel = conn.default_channel
+    marker.read_broker_token(channel)
     if not marker.missing(channel):
         return
     due = rt.store.broker_lost(rt.config.submit_timeout)

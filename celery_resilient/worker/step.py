@@ -153,7 +153,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         marker = store_marker(rt)
         recovery.first_look(rt, marker)
         broker = dataclasses.replace(broker_identity.of_app(worker.app, rt.config.broker_name),
-                                     marker=marker.seen)
+                                     token=marker.broker_token)
         rt.store.register(owner, liveness.current(), rt.config.lease_seconds, broker.dumps())
         settle_predecessors(rt, owner)
         checks.refuse_foreign_brokers(rt, owner, broker)

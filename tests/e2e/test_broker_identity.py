@@ -67,7 +67,7 @@ def _recorded(project: Project, node: str) -> BrokerIdentity | None:
 def test_one_redis_through_addresses_that_do_not_meet_is_one_broker(
         make_project: Callable[..., Project]) -> None:
     """A worker that reaches the broker by another address (a network namespace, NAT) is
-    recognised by the store's marker in it, also after the broker lost its data; another
+    recognised by the token it keeps, also after the broker lost its data; another
     Redis is refused."""
     shared = ThrowawayRedis(also_listen=[OTHER_ADDRESS]).start()
     other = ThrowawayRedis().start()
@@ -76,19 +76,19 @@ def test_one_redis_through_addresses_that_do_not_meet_is_one_broker(
         inside = make_project(shared.url_on(OTHER_ADDRESS))
         outside.worker(name="outside")
         seen = wait_for(lambda: _recorded(outside, "outside"), 10, "the outside worker's row")
-        assert seen.marker is not None, "the marker was read at start"
+        assert seen.token is not None, "the broker's token was read at start"
         inside.worker(name="inside")
         key = inside.send("sleeper", 0.1, task_id="through-the-other-address")
         wait_for(lambda: inside.state(key) == "done", 30, "its task to end")
 
-        redis.Redis.from_url(shared.url).flushall()  # the broker lost its data: a new marker
+        redis.Redis.from_url(shared.url).flushall()  # the broker lost its data: a new token
         renewed = wait_for(
             lambda: (r := _recorded(outside, "outside")) is not None
-            and r.marker not in (None, seen.marker) and r, 30,
-            "the outside worker to record the broker's new marker")
+            and r.token not in (None, seen.token) and r, 30,
+            "the outside worker to record the broker's new token")
         wait_for(lambda: (r := _recorded(inside, "inside")) is not None
-                 and r.marker == renewed.marker, 30, "the inside worker to record it too")
-        inside.worker(name="later")  # starts: the same broker by its new marker
+                 and r.token == renewed.token, 30, "the inside worker to record it too")
+        inside.worker(name="later")  # starts: the same broker by its new token
 
         refused = make_project(other.url).worker(name="elsewhere", start=False)
         with pytest.raises(RuntimeError, match="exited during start"):

@@ -65,11 +65,11 @@ def test_an_unreadable_record_is_not_judged(text: str) -> None:
     assert BrokerIdentity.loads(text) is None
 
 
-def test_addresses_that_do_not_meet_are_one_broker_by_its_marker() -> None:
-    here = replace(_identity("redis://127.0.0.1:6379/0"), marker="token-1")
-    there = replace(_identity("redis://10.1.2.3:6379/0"), marker="token-1")
+def test_addresses_that_do_not_meet_are_one_broker_by_its_token() -> None:
+    here = replace(_identity("redis://127.0.0.1:6379/0"), token="token-1")
+    there = replace(_identity("redis://10.1.2.3:6379/0"), token="token-1")
     assert here.same_broker(there)
-    assert not here.same_broker(replace(there, marker="token-2"))
-    assert not here.same_broker(replace(there, marker=None))
-    assert not replace(here, marker=None).same_broker(replace(there, marker=None))
+    assert not here.same_broker(replace(there, token="token-2"))
+    assert not here.same_broker(replace(there, token=None))
+    assert not replace(here, token=None).same_broker(replace(there, token=None))
     assert BrokerIdentity.loads(here.dumps()) == here
