@@ -6,6 +6,7 @@ one way every command names the store it uses (password masked).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -30,6 +31,16 @@ def iso(ts: float | None) -> str | None:
     if ts is None:
         return None
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+
+
+def json_value(text: str | None) -> Any:
+    """Stored JSON decoded for a report; text that is not JSON is shown as it is."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def ago(ts: float | None, now: float) -> str:
