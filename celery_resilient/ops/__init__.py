@@ -1,1 +1,1 @@
-"""Layer 6, operator actions and reports shared by the CLI, Django's admin and commands."""
+"""Layer 7, operator actions and reports shared by the CLI, Django's admin and commands."""

@@ -1,5 +1,5 @@
 """``manage.py resilient_status``: the same report, JSON and exit codes as
-``celery -A proj resilient status`` (one implementation: ``celery_resilient.cli``)."""
+``celery -A proj resilient status`` (one implementation: ``celery_resilient.ops.reports``)."""
 
 from __future__ import annotations
 
