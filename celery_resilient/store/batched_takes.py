@@ -12,7 +12,8 @@ A claim taken here is ``running`` with ``owner_pid`` :data:`UNSTARTED_PID` until
 process starts the body: the main process marks it started (the pool process's PID) with a
 later batch, when the pool accepted it. A running claim still unstarted was taken but never
 known to start: its takeover after a whole-worker death counts no death (see
-``Store._take``), and its own worker treats it as live (it holds the request).
+:func:`celery_resilient.core.take.decide_take`), and its own worker treats it as live (it
+holds the request).
 
 On PostgreSQL a batch is one statement over JSON arrays of rows: one parse and one commit
 for the whole batch. On SQLite (in-process) it is one ``BEGIN IMMEDIATE`` transaction of

@@ -9,7 +9,6 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
-    Row,
     and_,
     exists,
     func,
@@ -22,9 +21,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from celery_resilient.core.identity import Owner
 from celery_resilient.core.states import (
-    DEAD,
     DONE,
-    ENDED_BY_REQUEST,
     EXPIRED,
     FAILED,
     OPEN_STATES,
@@ -32,13 +29,9 @@ from celery_resilient.core.states import (
     RESERVED,
     REVOKED,
     RUNNING,
-    STOPPED_STATES,
-    UNSTARTED_PID,
 )
-from celery_resilient.errors import (
-    StoreUnavailable,
-    WorkKeyConflict,
-)
+from celery_resilient.core.take import Delivery, IsLive, TakeDecision, TakeRow, decide_take
+from celery_resilient.errors import StoreUnavailable
 from celery_resilient.store.batched_takes import BatchedTakes, Finish, Started, TakeRequest
 from celery_resilient.store.checkpoint_compat import (
     RowView,
@@ -122,8 +115,7 @@ class Claims(Incarnations):
     @guarded
     def take(
         self, work_key: str, task_name: str, task_id: str, args_digest: str | None,
-        owner: Owner, lease_seconds: float, max_attempts: int,
-        is_live: Callable[[str | None, str | None, int | None], bool],
+        owner: Owner, lease_seconds: float, max_attempts: int, is_live: IsLive,
         supersedes: int | None = None,
         message_if_new: Callable[[], str | None] | None = None,
         retries: int = 0,
@@ -168,8 +160,7 @@ class Claims(Incarnations):
     def _take(
         self, conn: Connection, work_key: str, task_name: str, task_id: str,
         args_digest: str | None, owner: Owner, lease_seconds: float, max_attempts: int,
-        is_live: Callable[[str | None, str | None, int | None], bool],
-        supersedes: int | None,
+        is_live: IsLive, supersedes: int | None,
         message_if_new: Callable[[], str | None] | None,
         retries: int,
     ) -> TakeOutcome:
@@ -195,86 +186,47 @@ class Claims(Incarnations):
             .where(w.c.work_key == work_key)
             .with_for_update(of=w)
         ).first()
+        facts = None if row is None else TakeRow.of(row)
+        decision = decide_take(
+            facts, Delivery(work_key, task_id, args_digest, retries, supersedes,
+                            owner.incarnation, revoked is not None),
+            max_attempts, is_live)
         if row is None:
             # Taken before the worker's receipt was flushed: keep a message that can be
             # re-published anyway (the receipt, when it lands, replaces it with the original).
             fg = self.t.forgotten
             base = int(conn.execute(select(fg.c.epoch).where(fg.c.work_key == work_key)
                                     ).scalar_one_or_none() or 0)
-            epoch = base if revoked else base + 1
+            ended = decision.end_state is not None
+            epoch = base if ended else base + 1
             conn.execute(w.insert().values(
                 work_key=work_key, task_name=task_name, task_id=task_id,
-                args_digest=args_digest, state=REVOKED if revoked else RUNNING,
+                args_digest=args_digest, state=decision.end_state or RUNNING,
                 epoch=epoch, owner_node=owner.node,
                 incarnation=owner.incarnation, owner_pid=owner.pid,
-                lease_expires_at=now + lease_seconds, attempts=0 if revoked else 1, deaths=0,
+                lease_expires_at=now + lease_seconds, attempts=0 if ended else 1, deaths=0,
                 republished=0, retries=retries,
                 message_json=message_if_new() if message_if_new else None,
-                created_at=now, updated_at=now, finished_at=now if revoked else None,
+                created_at=now, updated_at=now, finished_at=now if ended else None,
             ))
-            if revoked:
-                return TakeOutcome(TakeAction.STOPPED, reason=REVOKED)
-            return TakeOutcome(TakeAction.RUN, Claim(work_key, epoch, 1, 0))
-        if args_digest and row.args_digest and args_digest != row.args_digest:
-            raise WorkKeyConflict(
-                f"work key {work_key!r} was already used by task {row.task_id} with different "
-                "arguments; derive work keys from everything that makes the work distinct"
-            )
-        if row.state == DONE:
-            return TakeOutcome(TakeAction.DONE, result_json=row.result_json)
-        if row.state == DEAD:
-            return TakeOutcome(TakeAction.DEAD, reason=row.error or "")
-        if row.state in ENDED_BY_REQUEST and row.task_id == task_id:
-            if row.state in STOPPED_STATES:
-                return TakeOutcome(TakeAction.STOPPED, reason=row.state)
-            if row.state == FAILED:
-                return TakeOutcome(TakeAction.FAILED, result_json=row.result_json,
-                                   reason=row.error or "failed")
-            return TakeOutcome(TakeAction.DUPLICATE,
-                               reason=f"this request already ended ({row.state})")
-        if row.state in OPEN_STATES and retries < row.retries and row.task_id == task_id:
-            return TakeOutcome(TakeAction.DUPLICATE, reason=(
-                f"a stale copy of try {retries}; try {row.retries} holds or held the claim"))
-        if (row.state == REQUEUED and row.handed_to is not None and supersedes != row.handed_to
-                and row.task_id == task_id):
-            return TakeOutcome(TakeAction.DUPLICATE, reason=(
-                f"a copy of a request that was replaced at epoch {row.handed_to}; the "
-                "replacement takes the work"))
-        died = False
-        if row.state == RUNNING:
-            if row.epoch != supersedes and self._running_elsewhere(row, owner, is_live):
-                other = row.incarnation if row.incarnation != owner.incarnation else None
-                return TakeOutcome(
-                    TakeAction.HELD, reason=f"running on {row.owner_node} (epoch {row.epoch})",
-                    held_by=other)
-            # A copy re-sent by the execution itself (store outage, retry) replaces it. A
-            # claim taken by a main process that died before its pool was seen to start it
-            # (store/batched_takes.py) did not die running: no death.
-            died = row.epoch != supersedes and row.owner_pid != UNSTARTED_PID
-        # A new request for a key whose earlier request ended starts a fresh crash count.
-        deaths = (0 if row.state in ENDED_BY_REQUEST else row.deaths) + (1 if died else 0)
-        if revoked:
-            # Revoked by id: a copy delivered after a restart, or one this worker never heard
-            # the revoke for, runs nothing; the work ends only if it is this request's.
-            if row.state in OPEN_STATES and row.task_id == task_id:
-                self._end(conn, work_key, REVOKED, deaths=deaths, error="revoked by task id")
-            return TakeOutcome(TakeAction.STOPPED, reason=REVOKED)
-        if deaths >= max_attempts:
-            reason = f"its execution died {deaths} times (resilient_max_attempts={max_attempts})"
-            self._end(conn, work_key, DEAD, deaths=deaths, error=reason)
-            return TakeOutcome(TakeAction.DEAD, reason=reason)
+            return _outcome(decision, None if ended else Claim(work_key, epoch, 1, 0))
+        if decision.end_state is not None:
+            self._end(conn, work_key, decision.end_state, deaths=decision.deaths,
+                      error=decision.end_error)
+        if decision.action is not TakeAction.RUN:
+            return _outcome(decision)
         epoch = row.epoch + 1
         conn.execute(update(w).where(w.c.work_key == work_key).values(
             state=RUNNING, epoch=epoch, owner_node=owner.node, incarnation=owner.incarnation,
             owner_pid=owner.pid, lease_expires_at=now + lease_seconds,
-            attempts=row.attempts + 1, deaths=deaths, task_id=task_id, error=None,
+            attempts=row.attempts + 1, deaths=decision.deaths, task_id=task_id, error=None,
             checkpoint_takes=w.c.checkpoint_takes + 1, handed_to=None,
             retries=retries, args_digest=func.coalesce(w.c.args_digest, args_digest),
             result_json=None, finished_at=None, updated_at=now,
         ))
         # The update adds one to the epoch and to checkpoint_takes: the same test on the row
         # as read.
-        return TakeOutcome(TakeAction.RUN, Claim(work_key, epoch, row.attempts + 1, deaths,
+        return _outcome(decision, Claim(work_key, epoch, row.attempts + 1, decision.deaths,
                                         Resume(checkpoint_to_resume(row))))
 
     def take_batch(self, takes: Sequence[TakeRequest], started: Sequence[Started],
@@ -326,28 +278,6 @@ class Claims(Incarnations):
             return None
         return TakeOutcome(TakeAction.RUN, Claim(work_key, int(row.epoch), int(row.attempts),
                                         int(row.deaths), Resume(checkpoint_to_resume(row))))
-
-    @staticmethod
-    def _running_elsewhere(
-        row: Row[Any], owner: Owner,
-        is_live: Callable[[str | None, str | None, int | None], bool],
-    ) -> bool:
-        """Whether the execution recorded in ``row`` may still be running.
-
-        Judged by liveness, never by name: this incarnation asks its own process table; a
-        lapsed claim (no owner) runs nowhere; another incarnation is live while its lease
-        row is (even under the same node name); an owner without a lease row (``apply()``
-        outside a worker) is live while the claim's own lease lasts.
-        """
-        if row.incarnation is None:
-            return False
-        if row.incarnation == owner.incarnation:
-            if row.owner_pid == UNSTARTED_PID:
-                return True  # this worker's main process took it for a request it holds
-            return is_live(row.owner_node, row.incarnation, row.owner_pid)
-        if row.owner_known:
-            return bool(row.owner_live)
-        return bool(row.lease_expires_at is not None and row.lease_expires_at > row.db_now)
 
     def _incarnation_live(self, lease_seconds: float) -> ColumnElement[bool]:
         """A ``workers`` row that holds a lease now: not stopped, not expired."""
@@ -479,3 +409,9 @@ class Claims(Incarnations):
             conn.rollback()
         return row is not None and (row.state, int(row.epoch), row.result_json) == (
             DONE, epoch, result_json)
+
+
+def _outcome(decision: TakeDecision, claim: Claim | None = None) -> TakeOutcome:
+    """What the pool process is told (``claim``: the one taken, when it is to run)."""
+    return TakeOutcome(decision.action, claim, decision.result_json, decision.reason,
+                       decision.held_by)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
+
+# Decided in core (a pure take decision), importable from here as before; the alias marks
+# the re-export for type checkers.
+from celery_resilient.core.take import TakeAction as TakeAction  # noqa: PLC0414
 
 #: The error of work ended because Celery's revoke list named its task id.
 REVOKE_LIST_ERROR = "revoked by task id (Celery's revoke list)"
@@ -40,18 +43,6 @@ class Claim:
     #: The checkpoint to resume from as the take read it, so that the body's first ``load``
     #: costs no round trip. None: not read, ``load`` asks the store.
     resume: Resume | None = None
-
-
-class TakeAction(StrEnum):
-    """What a take decided for a delivery (equal to its string, as logs and signals say it)."""
-
-    RUN = "run"
-    DONE = "done"
-    HELD = "held"
-    DEAD = "dead"
-    DUPLICATE = "duplicate"
-    FAILED = "failed"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from celery_resilient.core.states import (
     OPEN_STATES,
     REQUEUED,
     RESERVED,
-    REVOKED,
     RUNNING,
     UNSTARTED_PID,
 )
+from celery_resilient.core.sweep import OwnClaim, judge_orphan, reconcile_claims
 from celery_resilient.store.db import Database
 from celery_resilient.store.guard import guarded
 from celery_resilient.store.records import (
@@ -80,28 +80,10 @@ class Sweeps(Database):
                        (w.c.updated_at < now - grace_seconds).label("quiet"))
                 .where(w.c.incarnation == owner.incarnation,
                        w.c.state.in_((RUNNING, RESERVED)))).all()
-            dead_pids: dict[int, bool] = {}
-            lapse: list[tuple[str, int, str]] = []
-            let_go: list[tuple[str, int, float]] = []
-            for r in rows:
-                if r.work_key in finishing:
-                    continue  # ended here: its result is on its way to the store
-                if r.state == RESERVED:
-                    if held is not None and r.task_id not in held and r.task_id not in resent:
-                        lapse.append((r.work_key, int(r.epoch), "its message is no longer held"))
-                    continue
-                pid = r.owner_pid
-                if pid == UNSTARTED_PID and (held is None or r.task_id in held):
-                    continue  # taken for a request it (may) still hold: on its way to the pool
-                if pid_alive is not None and pid and pid != owner.pid:
-                    if pid not in dead_pids:
-                        dead_pids[pid] = not pid_alive(pid)
-                    if dead_pids[pid]:
-                        lapse.append((r.work_key, int(r.epoch), f"pool process {pid} is gone"))
-                        continue
-                if executing is not None and r.task_id not in executing and r.quiet:
-                    let_go.append((r.work_key, int(r.epoch),
-                                   resend_hold if r.task_id in resent else 0.0))
+            out = reconcile_claims(
+                (OwnClaim(r.work_key, r.task_id, r.state, int(r.epoch), r.owner_pid,
+                          bool(r.quiet)) for r in rows),
+                owner.pid, pid_alive, held, executing, resent, finishing, resend_hold)
             mine = w.c.incarnation == owner.incarnation
             # Eager executions in this worker's processes (task.apply() inside a task) are
             # not Celery requests: they keep their claim by its own lease, renewed here
@@ -114,13 +96,13 @@ class Sweeps(Database):
                 conn.execute(update(w).where(
                     w.c.incarnation == owner.incarnation + EAGER_SUFFIX, w.c.state == RUNNING,
                     w.c.owner_pid.not_in(gone)).values(lease_expires_at=now + lease_seconds))
-            for key, epoch, why in lapse:
+            for key, epoch, why in out.lapse:
                 conn.execute(update(w).where(mine, w.c.work_key == key, w.c.epoch == epoch,
                                              w.c.state.in_((RUNNING, RESERVED)))
                              .values(incarnation=None, owner_pid=None, lease_expires_at=now))
                 log.warning("claim on %s released: %s", key, why,
                             extra={"action": "lease_lapsed", "work_key": key, "reason": why})
-            for key, epoch, hold in let_go:
+            for key, epoch, hold in out.let_go:
                 conn.execute(update(w).where(mine, w.c.work_key == key, w.c.epoch == epoch,
                                              w.c.state == RUNNING)
                              .values(state=REQUEUED, owner_node=None, incarnation=None,
@@ -129,7 +111,7 @@ class Sweeps(Database):
                 log.warning("work %s requeued: its execution ended without an outcome%s", key,
                             f"; its re-sent copy has {hold:.0f}s to take it" if hold else "",
                             extra={"action": "let_go", "work_key": key})
-        return len(lapse) + len(let_go)
+        return len(out.lapse) + len(out.let_go)
 
     @guarded
     def release_reserved(self, owner: Owner) -> int:
@@ -245,31 +227,23 @@ class Sweeps(Database):
             ).all()
             orphans: list[Orphan] = []
             for r in rows:
-                # a claim its worker took but never saw start (batched takes) did not die
-                death = 1 if r.state == RUNNING and r.owner_pid != UNSTARTED_PID else 0
-                if r.revoked:
-                    why = "revoked by task id; its owner died"
-                    self._end(conn, r.work_key, REVOKED, deaths=r.deaths + death, error=why)
+                fate = judge_orphan(r.state, r.owner_pid, r.republished, bool(r.revoked),
+                                    hold_seconds, max_republish, max_hold_seconds)
+                if fate.end_state is not None:
+                    self._end(conn, r.work_key, fate.end_state, deaths=r.deaths + fate.death,
+                              error=fate.reason)
                     if ended is not None:
-                        ended.append(Ended(r.work_key, r.task_id, r.task_name, REVOKED, why))
+                        ended.append(Ended(r.work_key, r.task_id, r.task_name, fate.end_state,
+                                           fate.reason))
+                    if fate.end_state == DEAD:
+                        log.error("work %s parked dead: re-published %d times without "
+                                  "starting", r.work_key, r.republished,
+                                  extra={"action": "dead", "work_key": r.work_key})
                     continue
-                if max_republish is not None and r.republished >= max_republish:
-                    why = (f"re-published {r.republished} times without progress "
-                           f"(resilient_max_republish={max_republish})")
-                    self._end(conn, r.work_key, DEAD, deaths=r.deaths + death, error=why)
-                    if ended is not None:
-                        ended.append(Ended(r.work_key, r.task_id, r.task_name, DEAD, why))
-                    log.error("work %s parked dead: re-published %d times without starting",
-                              r.work_key, r.republished,
-                              extra={"action": "dead", "work_key": r.work_key})
-                    continue
-                hold = hold_seconds * 2 ** min(r.republished, 30)
-                if max_hold_seconds is not None:
-                    hold = min(hold, max_hold_seconds)
                 conn.execute(update(w).where(w.c.work_key == r.work_key).values(
                     state=REQUEUED, owner_node=None, incarnation=None, owner_pid=None,
-                    lease_expires_at=now + hold, republished=w.c.republished + 1,
-                    deaths=w.c.deaths + death, updated_at=now,
+                    lease_expires_at=now + fate.hold, republished=w.c.republished + 1,
+                    deaths=w.c.deaths + fate.death, updated_at=now,
                 ))
                 orphans.append(Orphan(r.work_key, r.task_id, r.task_name, r.message_json,
                                       r.state, r.owner_node, int(r.retries)))
