@@ -1,2 +1,2 @@
-"""Layer 4, the task API: ``ResumableTask``, its claim, checkpoints, durable steps, the
+"""Layer 5, the task API: ``ResumableTask``, its claim, checkpoints, durable steps, the
 idempotency ledger and continuity contexts."""
