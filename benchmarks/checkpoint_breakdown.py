@@ -9,8 +9,8 @@ round trip costs. Variants:
   ``UPDATE`` below, sample by sample, so their ratio does not depend on the machine's drift;
 - ``synchronous_commit=off``: the same without waiting for the WAL flush on commit;
 - ``raw fenced UPDATE + commit``: the floor of a durable fenced write, psycopg alone: one
-  ``UPDATE work ... WHERE work_key AND epoch AND state = 'running'`` in autocommit; issue 13
-  wants the save's p50 within 1.5 x this, measured in the same run;
+  ``UPDATE work ... WHERE work_key AND epoch AND state = 'running'`` in autocommit; the target
+  is the save's p50 within 1.5 x this, measured in the same run;
 - ``bare round trip``: one ``SELECT 1`` on a checked-out connection (the floor of any call).
 
     python benchmarks/checkpoint_breakdown.py [--samples 3000]
@@ -74,7 +74,7 @@ def run(url: str, samples: int, build: Callable[..., Engine] | None) -> list[flo
 def shipped_against_raw(url: str, samples: int) -> tuple[list[float], list[float]]:
     """``Checkpoint.save`` and a fenced UPDATE + commit on psycopg alone, sample by sample in
     alternation (the order of each pair at random) against one claimed row of a real store,
-    so both see the same machine: the ratio issue 13 asks about, not the machine's drift."""
+    so both see the same machine: the ratio the target is about, not the machine's drift."""
     import psycopg
 
     prefix = f"brk{uuid.uuid4().hex[:8]}_"

@@ -157,8 +157,8 @@ def throughput_rows(res: Result, label: str) -> list[list[str]]:
         rows.append([f"{label} throughput, tasks/s ({r['store']} store)",
                      r["median tasks/s"], plain["median tasks/s"],
                      r["ratio ours/plain (medians)"],
-                     "ours/plain, target >= 0.8 (issue 13)" if label == "trivial-task"
-                     else "ours/plain, target >= 0.95 (issue 13)"])
+                     "ours/plain, target >= 0.8" if label == "trivial-task"
+                     else "ours/plain, target >= 0.95"])
     return rows
 
 
@@ -218,7 +218,7 @@ def beat_rows(res: Result) -> list[list[str]]:
         rows.append([f"beat: catch-up of {f['ours_n']:,.0f} missed slots, s",
                      f"{f['ours']:.2f}", f"{f['plain']:.2f} (send_task only)" if "plain" in f
                      else "-", ratio(f.get("ours"), f.get("plain")),
-                     "ours/plain; target <= 1.2 (issue 13)"])
+                     "ours/plain; target <= 1.2"])
     if "start" in f:
         rows.append([f"beat: install + first tick, {f['start_n']:,.0f} entries, s",
                      f"{f['start']:.2f}", "-", "-", "target <= 1 s for 1,000"])
@@ -262,7 +262,7 @@ def breakdown_rows(res: Result) -> list[list[str]]:
     raw = next(r for r in table if r["PostgreSQL checkpoint save"].startswith("raw fenced"))
     return [["checkpoint save p50 ms (PostgreSQL)", ours["p50 ms"],
              f"{raw['p50 ms']} (raw fenced UPDATE + commit)",
-             ratio(num(ours["p50 ms"]), num(raw["p50 ms"])), "target <= 1.5 (issue 13)"]]
+             ratio(num(ours["p50 ms"]), num(raw["p50 ms"])), "target <= 1.5"]]
 
 
 def size_rows(res: Result) -> list[list[str]]:

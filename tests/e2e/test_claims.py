@@ -324,9 +324,8 @@ def test_a_hand_off_after_the_tasks_expires_passed_still_finishes_the_work(
         make_project: Callable[..., Project], redis_url: str, effect_log: EffectLog) -> None:
     """A task sent with ``expires`` that started in time, then met a warm shutdown after
     that time passed: its hand-off must finish the work on the other worker. Celery's
-    ``expires`` bars a start, and plain Celery finishes such a task in its drain; the
-    adversarial review saw the handed-off copy discarded as expired, the work left ``expired``
-    at row 41 of 60 (3 of 3 runs)."""
+    ``expires`` bars a start, and plain Celery finishes such a task in its drain; a hand-off
+    that kept ``expires`` had its copy discarded as expired, the work left ``expired`` half done."""
     project = make_project(redis_url)
     first = project.worker(name="first", concurrency=1)
     project.worker(name="second", concurrency=1)

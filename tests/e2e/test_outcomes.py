@@ -276,8 +276,8 @@ def test_autoretry_for_with_retry_backoff(make_lab: Callable[..., Lab]) -> None:
 
 def test_retry_with_arguments_of_another_work_key_runs_once(
         make_lab: Callable[..., Lab]) -> None:
-    """Found by the adversarial review: the old key was left requeued and re-published for
-    ever, each copy running the body again. Now it ends ``ignored`` and the retry runs once."""
+    """The old key must not be left requeued and re-published for ever, each copy running the
+    body again: it ends ``ignored`` and the retry runs once."""
     lab = make_lab()
     worker = lab.worker()
     label = f"L-{uuid.uuid4().hex[:8]}"
@@ -308,7 +308,7 @@ def test_retry_with_arguments_of_another_work_key_runs_once(
 
 
 def test_replace_runs_the_replacement_under_the_task_id(make_lab: Callable[..., Lab]) -> None:
-    """Found by the adversarial review: the replacement was refused (WorkKeyConflict)."""
+    """The replacement is not refused (WorkKeyConflict)."""
     lab = make_lab()
     worker = lab.worker()
     task_id = lab.send("replacer", 21)
@@ -321,8 +321,8 @@ def test_replace_runs_the_replacement_under_the_task_id(make_lab: Callable[..., 
 
 def test_a_late_copy_of_done_work_sends_no_chain_step_again(
         make_lab: Callable[..., Lab]) -> None:
-    """Found by the adversarial review: a redelivered copy of done work "succeeded" again and
-    Celery sent the next chain step a second time."""
+    """A redelivered copy of done work must not "succeed" again, or Celery sends the next
+    chain step a second time."""
     from celery import chain
 
     lab = make_lab()

@@ -175,7 +175,7 @@ def test_unreachable_postgresql_is_store_unavailable(down: Store, store: Store,
 @pytest.mark.parametrize("write", ["checkpoint.save", "checkpoint.clear", "step",
                                    "ledger.once", "ledger.atomic"])
 def test_fenced_writes_inside_atomic_are_refused_not_deadlocked(store: Store, write: str) -> None:
-    """Found by the issue 11 review: a checkpoint saved inside ledger.atomic() waited for ever
+    """A checkpoint saved inside ledger.atomic() must not wait for ever
     on PostgreSQL (its own connection needs the claim row the block's transaction holds)."""
     x = execution(store, run(store, "k", owner()))
     ledger = Ledger(store, x)

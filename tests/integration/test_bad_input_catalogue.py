@@ -278,7 +278,7 @@ def test_malformed_kill_point_spec_is_refused(spec: str, named: str) -> None:
 
 
 def test_checkpoint_outside_a_running_task_is_a_clear_error() -> None:
-    """A direct call ``job()`` runs as in Celery (issue 10: in-memory progress); ``job.run()``
+    """A direct call ``job()`` runs as in Celery (in-memory progress); ``job.run()``
     bypasses ``__call__``, so there is no execution at all: a clear error says so."""
     app = Celery("direct", broker="memory://", set_as_current=False)
     Resilient(app)

@@ -929,7 +929,7 @@ def test_retry_with_the_broker_down_leaves_the_work_requeued_for_the_sweep(
 
 def test_cancel_shows_revoked_to_the_caller_at_once(store: Store, redis_url: str) -> None:
     """A cancelled request writes no result of its own, and its owner may be gone: the caller
-    sees REVOKED as soon as the operator cancels (found by the adversarial review)."""
+    sees REVOKED as soon as the operator cancels."""
     app = make_app(store, redis_url, result_backend=redis_url)
     try:
         run(store, "k-caller", owner("gone@host"), task_id="t-caller")
@@ -947,7 +947,7 @@ def test_cancel_shows_revoked_to_the_caller_at_once(store: Store, redis_url: str
         app.close()
 
 
-# -- issue 12: workers pruned, JSON errors, the embedded SQLite default, migrate --json ----------
+# -- workers pruned, JSON errors, the embedded SQLite default, migrate --json ----------
 
 def test_prune_deletes_old_stopped_worker_starts_never_a_live_one(
         store: Store, app: Celery) -> None:

@@ -1,4 +1,4 @@
-"""The fencing guard's judgements found by the adversarial review of issue 21, on a real
+"""The fencing guard's harder judgements, on a real
 PostgreSQL: a liveness session on another database is refused (it would let every probe
 prove a live worker dead), a renewal that comes only after the lease may have run out
 fences what ran across the gap, and a pool without child processes fences by exiting."""

@@ -100,8 +100,8 @@ def test_a_lost_broker_connection_lets_go_of_what_celery_forgot() -> None:
 
 
 def test_eager_claims_of_live_processes_keep_their_own_lease(store: Store) -> None:
-    """task.apply() inside a task on a worker: no Celery request accounts for it. Found by
-    the issue 11 review: it was let go as "not executing" and re-run on another worker."""
+    """task.apply() inside a task on a worker: no Celery request accounts for it. It must
+    not be let go as "not executing" and re-run on another worker."""
     me = started(store, owner("w@host"))
     live = Owner(me.node, me.incarnation + EAGER_SUFFIX, os.getpid())
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

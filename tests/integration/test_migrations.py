@@ -208,7 +208,7 @@ def test_what_this_version_clears_is_gone_from_the_old_checkpoint_table(store: S
     """During a rolling deploy a worker of the previous version reads ``<prefix>checkpoints``.
     A checkpoint this version clears (``checkpoint.clear``, a retry's hand-back), forgets or
     prunes must be gone from there too, or that worker resumes a fresh run past work it never
-    did (found by the adversarial review: a forgotten key re-submitted ran none of its rows)."""
+    did (a forgotten key re-submitted would run none of its rows)."""
     old = store.t.old_checkpoints
 
     def old_row(key: str) -> None:
@@ -366,9 +366,9 @@ def _running_under_the_previous_version(store: Store, to: str = "head") -> None:
 @pytest.mark.parametrize("how", ["clear", "replace"])
 def test_a_copied_checkpoint_the_old_worker_then_clears_is_not_resumed(
         bare_store: Store, how: str) -> None:
-    """The adversarial review's case: the store migrated under a running old worker, which
+    """The store migrated under a running old worker, which
     then clears its checkpoint (and, for ``clear``, saves #1 of the fresh run) in its table
-    within the same epoch. A new worker must resume that, or zero: it resumed the copy."""
+    within the same epoch. A new worker must resume that, or zero, never the copy."""
     prev = _PreviousVersion(bare_store)
     _running_under_the_previous_version(bare_store)
     if how == "clear":

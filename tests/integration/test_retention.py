@@ -1,4 +1,4 @@
-"""Automatic retention (issue 13): bounded deletes of what the store no longer needs.
+"""Automatic retention: bounded deletes of what the store no longer needs.
 
 Every test runs on SQLite and PostgreSQL. Rows are written with chosen ages on the database's
 clock; what is older than its retention goes, in batches of at most ``batch`` rows, and what

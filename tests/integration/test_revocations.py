@@ -163,8 +163,8 @@ def test_outcome_buffer_keeps_outcomes_through_a_store_outage(store: Store) -> N
 
 def test_the_sweep_reports_work_it_ends_to_the_result_backend(store: Store,
                                                                redis_url: str) -> None:
-    """Found by the adversarial review: revoked work whose owner died ended in the store, but
-    its caller waited on STARTED for ever (nobody else writes that request's result)."""
+    """Revoked work whose owner died ends in the store, and its caller must not wait on STARTED
+    for ever (nobody else writes that request's result)."""
     from celery import Celery
 
     from celery_resilient import Resilient

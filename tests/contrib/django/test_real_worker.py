@@ -1,4 +1,4 @@
-"""The proof of issue 12 for Django: one store for the worker, ``manage.py`` and the celery CLI.
+"""The operator's proof for Django: one store for the worker, ``manage.py`` and the celery CLI.
 
 A Django project laid out as docs/django.md says (``djproj``: no store URL, so the store is
 ``DATABASES["default"]``, here pytest-django's test database on PostgreSQL), run by real

@@ -21,8 +21,8 @@ the versions is done again from an earlier point, never skipped.
 NULL marks a checkpoint of open work whose old-table row was saved in the same claim or a
 later one (``epoch >= checkpoint_epoch``): 0005's copy, or a save of an old worker after the
 copy. The old worker running that work may still save or clear there after the migration,
-within the same epoch, so the old row stays the one resumed (the adversarial review found
-the copy resumed after such a clear). A 0005 worker's save always has a later epoch than any
+within the same epoch, so the old row stays the one resumed (otherwise the copy would be
+resumed after such a clear). A 0005 worker's save always has a later epoch than any
 old row, so it is not marked. Both run in the migration's transaction, behind 0005's and this
 revision's ``ALTER TABLE`` of the work table, which every write of the previous version
 waits for (each touches the work row), so no change to the old table falls between the copy
