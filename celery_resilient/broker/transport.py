@@ -77,6 +77,26 @@ class HoldingQoS(kombu_redis.QoS):
                                         p + channel.holding_key], [delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
 
+    def restore_unacked_once(self, stderr: Any = None) -> None:
+        """kombu's restore at a channel's close, unless kombu already detached the channel's
+        transport from its connection.
+
+        Celery's reconnect after a lost broker connection collects the connection (kombu sets
+        ``transport.client = None``) and then closes it: the close restores this channel's
+        unacknowledged messages through a client it can no longer build and raises
+        ``AttributeError`` out of the consumer, which ends the worker (a Redis restart ended
+        plain and resilient workers alike). Those messages stay in ``unacked`` and in this
+        incarnation's holding, which the worker gives back itself once Celery has forgotten
+        them (:meth:`celery_resilient.worker.holding_sweep.HoldingSweep.reconcile_own`).
+        """
+        transport = self.channel.connection
+        if transport is None or getattr(transport, "client", None) is None:
+            log.info("broker connection collected before its channel closed: %d unacknowledged "
+                     "message(s) stay held and are given back by the holding sweep",
+                     len(self._delivered), extra={"action": "restore_deferred"})
+            return
+        super().restore_unacked_once(stderr)
+
     def restore_visible(self, start: int = 0, num: int | None = 10,
                         interval: int = 10) -> None:
         """kombu's visibility-timeout restore, minus what a live holder accounts for.
