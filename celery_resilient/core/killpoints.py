@@ -19,11 +19,11 @@ Points, in the order a task reaches them:
 ``before_ack``
     the result and ``done`` state committed, the broker message not yet acknowledged: the
     redelivered copy must return the stored result and run nothing. A result handed to the
-    main process (``tasks/finishes.py``) is committed there: a whole-worker kill fires in the
+    main process (``tasks/handed_results.py``) is committed there: a whole-worker kill fires in the
     main process after that commit, a pool-process kill in the pool process once it handed
     the result over (the main process commits it).
 ``after_finish_handed``
-    a pool process handed its result to the main process (``tasks/finishes.py``), which has
+    a pool process handed its result to the main process (``tasks/handed_results.py``), which has
     not committed it: a whole-worker kill loses it, and the copy runs the body again (store
     effects once).
 ``after_failed``

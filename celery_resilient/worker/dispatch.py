@@ -5,7 +5,7 @@ Celery hands each request that is to run now to the pool from its event loop
 (:mod:`celery_resilient.tasks.strategy`): a thread of its own takes the claims of every
 request waiting, in one statement (:meth:`~celery_resilient.store.sql.Store.take_batch`),
 and the event loop then hands each request on with its claim in the request dict
-(:mod:`celery_resilient.tasks.handed`). Requests are taken as they arrive, prefetched ones
+(:mod:`celery_resilient.tasks.handed_claims`). Requests are taken as they arrive, prefetched ones
 too, so a pool process that frees up starts the next body at once, with no round trip of
 its own; while one batch commits, the next gathers.
 
@@ -47,7 +47,7 @@ from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store import deadlines
 from celery_resilient.store.batched_takes import Finish, Started, TakeRequest
 from celery_resilient.store.sql import Claim
-from celery_resilient.tasks import finishes, handed
+from celery_resilient.tasks import handed_claims, handed_results
 from celery_resilient.tasks.task import SUPERSEDES_HEADER
 
 log = logging.getLogger(__name__)
@@ -100,9 +100,9 @@ class BatchedDispatch:
         self._unflushed_since = 0.0
         self._flush_failed_at: float | None = None
         self._defers = not rt.store.dialect.is_sqlite
-        #: Results pool processes handed over (``tasks/finishes.py``), by work key, until a
+        #: Results pool processes handed over (``tasks/handed_results.py``), by work key, until a
         #: statement commits them (each batch carries all of them).
-        self._reader = finishes.Reader()
+        self._reader = handed_results.Reader()
         self._finishes: dict[str, Finish] = {}
         self._finish_lock = threading.Lock()
         self._finishes_since = 0.0
@@ -133,7 +133,7 @@ class BatchedDispatch:
 
     def start(self) -> None:
         self._thread.start()
-        finishes.accepting(self._defers)
+        handed_results.accepting(self._defers)
 
     def attach(self, hub: Any, consumer: Any = None) -> None:
         """The ``consumer`` (re)started on ``hub``: taken requests are handed on from
@@ -315,7 +315,7 @@ class BatchedDispatch:
             del self._unstarted[key]
             parked = self._parked.pop(key, [])
         for entry in parked:
-            handed.hand(entry[0].request_dict, self.owner.incarnation, None)
+            handed_claims.hand(entry[0].request_dict, self.owner.incarnation, None)
             to.append(entry)
         if parked:
             self._wake.set()
@@ -386,7 +386,7 @@ class BatchedDispatch:
         that come in from now on are flushed by the caller before their acknowledgement."""
         if self._stopping:
             return
-        finishes.accepting(False)  # results from now on: their pool processes finish them
+        handed_results.accepting(False)  # results from now on: their pool processes finish them
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=5)
@@ -603,7 +603,7 @@ class BatchedDispatch:
                 continue
             request = entry[0]
             claim = claims.get(key) if key is not None else None
-            handed.hand(request.request_dict, self.owner.incarnation, claim)
+            handed_claims.hand(request.request_dict, self.owner.incarnation, claim)
             if claim is not None and key is not None:
                 self._claims[request] = (claim.work_key, claim.epoch)
                 with self._lock:
@@ -612,7 +612,7 @@ class BatchedDispatch:
             self._ready.append(entry)
         for waiters in later.values():
             for entry in waiters:
-                handed.hand(entry[0].request_dict, self.owner.incarnation, None)
+                handed_claims.hand(entry[0].request_dict, self.owner.incarnation, None)
                 self._ready.append(entry)
         if batch:
             with contextlib.suppress(BlockingIOError):  # a wake is pending already
