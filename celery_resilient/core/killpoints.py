@@ -44,9 +44,9 @@ Points, in the order a task reaches them:
     it (reached only in the canvas tests' backend): the copy of the header that was
     dispatching waits for the claim to expire and counts again, which sends the body.
 ``after_batch_take``
-    the worker's main process committed a batch of takes (worker/dispatch.py) and has not
-    handed those requests to the pool: each claim is ``running`` and was never seen to start;
-    the copies the restarted worker gets must each run once, with no death counted.
+    the worker's main process committed a batch of takes (worker/dispatch/taker.py) and has
+    not handed those requests to the pool: each claim is ``running`` and was never seen to
+    start; the copies the restarted worker gets must each run once, with no death counted.
 ``mid_prune``
     inside a retention batch's transaction: finished work rows deleted, their steps not yet
     (the batch must be rolled back whole).

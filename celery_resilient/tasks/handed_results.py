@@ -3,9 +3,9 @@
 A pool process that ran a body under a claim handed by the batched takes (PostgreSQL) does
 not write ``done`` itself: it writes the result to a pipe its worker's main process opened
 before the pool forked, and the dispatcher commits the results of many tasks in its next
-statement, before their acknowledgements (the *group commit*, worker/dispatch.py). One
-statement and one WAL flush serve many results, and the pool process goes on to the next
-body without a round trip.
+statement, before their acknowledgements (the *group commit*,
+worker/dispatch/group_commit.py). One statement and one WAL flush serve many results, and
+the pool process goes on to the next body without a round trip.
 
 Only the plain case goes this way; everything else finishes in the pool process as before:
 
