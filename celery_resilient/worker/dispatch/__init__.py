@@ -29,13 +29,14 @@ copies the broker delivers again.
 
 Only prefork pools on Celery's event loop get this; other pools keep the take in the task.
 
-:class:`BatchedDispatch` (:mod:`.dispatcher`) coordinates one part per job on its thread and
-the event loop: :mod:`.taker` (a batch's one statement, each request handed on with its
-claim), :mod:`.parking` (which request holds which work key unstarted, and which wait behind
-it), :mod:`.marks` (started and lost marks waiting for a statement), :mod:`.group_commit`
+:class:`BatchedDispatch` (:mod:`.dispatcher`) coordinates one part per job on Celery's
+event loop and its own thread (:mod:`.takes_thread`: when that thread makes which
+statement): :mod:`.taker` (a batch's one statement, each request handed on with its claim),
+:mod:`.parking` (which request holds which work key unstarted, and which wait behind it),
+:mod:`.marks` (started and lost marks waiting for a statement), :mod:`.group_commit`
 (results pool processes hand over, committed by the next statement), :mod:`.acks`
-(acknowledgements waiting for a commit that flushed); :mod:`.entries` (a waiting request)
-and :mod:`.log` (the one logger) serve them.
+(acknowledgements waiting for a commit that flushed, and the bare flushes for them);
+:mod:`.entries` (a waiting request) and :mod:`.log` (the one logger) serve them.
 """
 
 from __future__ import annotations

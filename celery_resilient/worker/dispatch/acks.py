@@ -65,13 +65,12 @@ class AckDeferral:
         self.flushed.clear()
 
     def flush(self, upto: int, flushed: bool) -> bool:
-        """Flush the waiting acknowledgements numbered up to ``upto`` once a commit that
-        waited for the WAL flush began after they were asked for (``flushed``: a batch of
-        takes that wrote did; else a bare flush here); whether any was."""
+        """Move the acknowledgements numbered up to ``upto`` to :attr:`flushed`: a commit
+        that waited for the WAL flush began after they were asked for (a batch of takes
+        that wrote, ``flushed``; else a bare flush made here first). Whether any moved."""
         if not flushed:
             try:
-                if not self._results.commit():
-                    self.rt.store.flush()
+                self._flush()
             except Exception as exc:
                 if self.failed_at is None:
                     log.warning("could not flush %d result(s) before their acknowledgement "
@@ -98,11 +97,16 @@ class AckDeferral:
     def flush_inline(self) -> None:
         """A flush on the caller's thread, which then acknowledges (no thread waits)."""
         try:
-            if not self._results.commit():
-                self.rt.store.flush()
+            self._flush()
         except Exception as exc:  # acknowledged anyway: the claim stays open in the store
             log.warning("could not flush before acknowledging (%s: %s)", type(exc).__name__,
                         exc)
+
+    def _flush(self) -> None:
+        """A commit that waits for the WAL flush: of the results handed over, or a bare one
+        when there are none. Raises if the store fails."""
+        if not self._results.commit():
+            self.rt.store.flush()
 
     def flush_at_stop(self) -> None:
         """The dispatcher stops: results handed over, and the acknowledgements waiting for
