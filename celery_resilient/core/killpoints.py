@@ -19,11 +19,11 @@ Points, in the order a task reaches them:
 ``before_ack``
     the result and ``done`` state committed, the broker message not yet acknowledged: the
     redelivered copy must return the stored result and run nothing. A result handed to the
-    main process (``tasks/finishes.py``) is committed there: a whole-worker kill fires in the
+    main process (``tasks/handed_results.py``) is committed there: a whole-worker kill fires in the
     main process after that commit, a pool-process kill in the pool process once it handed
     the result over (the main process commits it).
 ``after_finish_handed``
-    a pool process handed its result to the main process (``tasks/finishes.py``), which has
+    a pool process handed its result to the main process (``tasks/handed_results.py``), which has
     not committed it: a whole-worker kill loses it, and the copy runs the body again (store
     effects once).
 ``after_failed``
@@ -44,9 +44,9 @@ Points, in the order a task reaches them:
     it (reached only in the canvas tests' backend): the copy of the header that was
     dispatching waits for the claim to expire and counts again, which sends the body.
 ``after_batch_take``
-    the worker's main process committed a batch of takes (worker/dispatch.py) and has not
-    handed those requests to the pool: each claim is ``running`` and was never seen to start;
-    the copies the restarted worker gets must each run once, with no death counted.
+    the worker's main process committed a batch of takes (worker/dispatch/taker.py) and has
+    not handed those requests to the pool: each claim is ``running`` and was never seen to
+    start; the copies the restarted worker gets must each run once, with no death counted.
 ``mid_prune``
     inside a retention batch's transaction: finished work rows deleted, their steps not yet
     (the batch must be rolled back whole).

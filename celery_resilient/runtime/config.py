@@ -87,7 +87,7 @@ class ResilientConfig:
     #: store's judgement of who is gone gives back), unless ``broker_transport`` is set.
     reliable_fetch: bool = True
     #: A prefork worker's main process takes the claims of many deliveries in one statement
-    #: before the pool runs them (worker/dispatch.py); False: each pool process takes its own.
+    #: before the pool runs them (worker/dispatch/); False: each pool process takes its own.
     batched_takes: bool = True
     submit_timeout: float = 60.0
     sweep_batch: int = 500

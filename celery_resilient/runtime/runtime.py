@@ -62,7 +62,7 @@ class Runtime:
         #: Wall-clock time the worker's consumer last lost its broker connection (None:
         #: never): what it had fetched before may be held with nobody to run it.
         self.broker_lost_at: float | None = None
-        #: The worker's batched takes (worker/dispatch.py), when its pool gets them.
+        #: The worker's batched takes (worker/dispatch/), when its pool gets them.
         self.dispatcher: Dispatcher | None = None
         setattr(app, _ATTR, self)
 

@@ -61,7 +61,7 @@ class Started:
 
 @dataclass(frozen=True)
 class Finish:
-    """A body's result handed by its pool process (``tasks/finishes.py``), for the main
+    """A body's result handed by its pool process (``tasks/handed_results.py``), for the main
     process to commit as ``done`` under its claim."""
 
     work_key: str

@@ -95,8 +95,9 @@ class HotStatements:
         # The same finish, committed without waiting for the WAL flush (PostgreSQL): its
         # worker's main process acknowledges the message only after a commit of its own that
         # does wait (Store.flush), so the result is durable before the ack all the same
-        # (worker/dispatch.py). set_config(..., true) is SET LOCAL inside the statement's own
-        # transaction: nothing leaks to the session (or, behind a pooler, to another client).
+        # (worker/dispatch/acks.py). set_config(..., true) is SET LOCAL inside the
+        # statement's own transaction: nothing leaks to the session (or, behind a pooler, to
+        # another client).
         if not dialect.is_sqlite:
             local_async = select(func.set_config("synchronous_commit", "off", True))
             self.close_unflushed = self.close.where(

@@ -118,7 +118,7 @@ class Sweeps(Database):
         """Let go of ``owner``'s reserved claims and the claims it took but never saw start
         (work received, not started): other workers' sweeps re-publish them. For a worker
         cut off from its broker (which first voids the claims it handed to its pool:
-        ``tasks.handed.void_all``)."""
+        ``tasks.handed_claims.void_all``)."""
         w = self.t.work
         now = self.dialect.now()
         mine = w.c.incarnation == owner.incarnation

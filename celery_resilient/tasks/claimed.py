@@ -32,7 +32,7 @@ from celery_resilient.errors import (
 )
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.sql import Claim
-from celery_resilient.tasks import canvas, finishes, handed, replay, result_backend
+from celery_resilient.tasks import canvas, handed_claims, handed_results, replay, result_backend
 from celery_resilient.tasks.headers import STORE_RETRIES_HEADER, SUPERSEDES_HEADER, header
 
 log = logging.getLogger(__name__)
@@ -116,15 +116,15 @@ class ClaimedRun:
                 killpoints.reached("before_ack")  # else in the main process, once committed
 
     def _hand_finish(self, result_json: str) -> bool:
-        """Hand the result to the main process's group commit (``tasks/finishes.py``): only
+        """Hand the result to the main process's group commit (``tasks/handed_results.py``): only
         a claim it handed and surely still this worker's, for a request whose result nobody
         is told (no result stored: the store's ``done`` still comes before any SUCCESS a
         caller can read) and with no canvas."""
         task, x = self.task, self.task.execution
-        return (x.handed and handed.still_own(x.handed_generation)
+        return (x.handed and handed_claims.still_own(x.handed_generation)
                 and not result_backend.stores_results(task)
                 and not canvas.has_canvas(task.request)
-                and finishes.hand(self.work_key, self.epoch, result_json))
+                and handed_results.hand(self.work_key, self.epoch, result_json))
 
     def hand_back(self, delay: float, next_retries: int, clear_checkpoint: bool = False,
                   replaced: bool = False) -> None:

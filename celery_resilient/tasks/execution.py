@@ -106,7 +106,7 @@ class Execution:
     #: Taken by the worker's main process (batched takes): the finish need not wait for the
     #: WAL flush, that process flushes before it acknowledges.
     handed: bool = False
-    #: The generation of handed claims when this one was received (``tasks/handed.py``):
+    #: The generation of handed claims when this one was received (``tasks/handed_claims.py``):
     #: while it and the lease hold, no other worker can own the claim.
     handed_generation: int | None = None
 

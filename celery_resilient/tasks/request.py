@@ -40,7 +40,7 @@ class ResumableRequest(Request):  # type: ignore[misc]
     def acknowledge(self) -> None:
         """Acknowledge, once the result is durable: a request whose claim the worker's
         batched takes handed to the pool finished without waiting for the WAL flush, so its
-        acknowledgement waits for the dispatcher's next flush (worker/dispatch.py)."""
+        acknowledgement waits for the dispatcher's next flush (worker/dispatch/acks.py)."""
         rt = Runtime.enabled_on(self.task.app)
         dispatcher = rt.dispatcher if rt is not None else None
         if dispatcher is not None and not self.acknowledged and dispatcher.defer_ack(self):

@@ -30,7 +30,7 @@ from celery_resilient.errors import (
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.records import Claim, TakeAction, TakeOutcome
-from celery_resilient.tasks import canvas, finishes, handed, replay, result_backend
+from celery_resilient.tasks import canvas, handed_claims, handed_results, replay, result_backend
 from celery_resilient.tasks.checkpoint import Checkpoint
 from celery_resilient.tasks.claimed import ClaimedRun, resend_while_store_down
 from celery_resilient.tasks.context import Context, task_context
@@ -195,8 +195,8 @@ class ResumableTask(Task):  # type: ignore[misc]
         work_key = self._work_key_for(req.id, args, kwargs)
         who = identity.owner(req.hostname, eager=bool(req.is_eager))
         ctx = {"work_key": work_key, "task_id": req.id, "task": self.name}
-        generation = handed.generation()
-        claim = handed.received(req, who.incarnation, work_key)  # taken by the main process
+        generation = handed_claims.generation()
+        claim = handed_claims.received(req, who.incarnation, work_key)  # taken by the main process
         handed_claim = claim is not None
         if claim is None:
             taken = self._take(rt, req, work_key, who, ctx, args, kwargs)
@@ -426,7 +426,7 @@ def _is_live_here(work_key: str, my_pid: int) -> Callable[
 
     def is_live(node: str | None, incarnation: str | None, pid: int | None) -> bool:
         if pid == my_pid:  # running here, or ended here with its result not yet committed
-            return identity.executing_here(work_key) or finishes.handed_here(work_key)
+            return identity.executing_here(work_key) or handed_results.handed_here(work_key)
         return identity.pid_alive(pid)
 
     return is_live

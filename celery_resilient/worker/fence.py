@@ -18,7 +18,7 @@ import time
 
 from celery.worker import state as worker_state
 
-from celery_resilient.tasks import handed
+from celery_resilient.tasks import handed_claims
 from celery_resilient.tasks.task import ResumableTask
 from celery_resilient.worker.backpressure import ConsumptionGate
 
@@ -60,7 +60,7 @@ class Fence:
                       reason, detail, extra={"action": "self_fenced", "reason": reason})
             if self.gate is not None:
                 self.gate.fence(reason)
-            handed.void_all()  # requests waiting for the pool take their own claims
+            handed_claims.void_all()  # requests waiting for the pool take their own claims
         self.stop_executions()
 
     def release(self, reason: str) -> None:

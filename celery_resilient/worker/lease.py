@@ -15,7 +15,7 @@ from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store import deadlines
 from celery_resilient.store.sql import Store
-from celery_resilient.tasks import handed
+from celery_resilient.tasks import handed_claims
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class LeaseKeeper(threading.Thread):
         #: first lease just before this keeper was made): its expiry on the store's clock
         #: is at least ``lease_seconds`` after this.
         self.renewal_sent_at = time.monotonic()
-        handed.lease_good_until(self.renewal_sent_at + cfg.fence_after)
+        handed_claims.lease_good_until(self.renewal_sent_at + cfg.fence_after)
         #: Another worker proved this incarnation dead (a renewal found it stopped).
         self.declared_dead = False
         #: Seconds between two renewals when the later one came past ``fence_after`` (the
@@ -65,10 +65,10 @@ class LeaseKeeper(threading.Thread):
                     # the store blocked): another worker may have taken its claims in the
                     # meantime, and this renewal hides that from the fencing guard.
                     self.lapsed = gap
-                    handed.void_all()  # claims handed to waiting requests too
+                    handed_claims.void_all()  # claims handed to waiting requests too
                 self.renewal_sent_at = sent
                 if alive:
-                    handed.lease_good_until(sent + cfg.fence_after)
+                    handed_claims.lease_good_until(sent + cfg.fence_after)
                 self.renewals += 1
                 failures = 0
                 wait = cfg.heartbeat_interval

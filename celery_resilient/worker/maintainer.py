@@ -23,7 +23,7 @@ from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store import deadlines
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import PROVEN_DEAD
-from celery_resilient.tasks import handed
+from celery_resilient.tasks import handed_claims
 from celery_resilient.worker import pruner, recovery
 from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.holding_sweep import HoldingSweep
@@ -167,7 +167,7 @@ class Maintainer(threading.Thread):
             self._broker_down_since = now
         down = now - self._broker_down_since
         if down >= BROKER_LOST_AFTER and not self._broker_released:
-            handed.void_all()  # its pool processes take their own claims from now on
+            handed_claims.void_all()  # its pool processes take their own claims from now on
             released = self.rt.store.release_reserved(self.owner)
             self._broker_released = True
             log.warning("broker unreachable for %.0fs: %d prefetched resumable claim(s) let "

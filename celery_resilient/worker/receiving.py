@@ -36,7 +36,7 @@ def record_received(rt: Runtime, request: Any) -> None:
         return
     rt.held.add(request.id)
     if rt.dispatcher is not None and request.eta is None and not task.rate_limit:
-        return  # taken (with its message) before it reaches the pool: worker/dispatch.py
+        return  # taken (with its message) before it reaches the pool: worker/dispatch/
     msg = request.message
     try:
         key = workkey.derive(task, request.id, request.args, request.kwargs, msg.headers)

@@ -28,8 +28,13 @@ from celery_resilient.errors import ResilientError
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import PROVEN_DEAD, SESSION_ALIVE, UNJUDGED
+<<<<<<< HEAD
 from celery_resilient.tasks import finishes
 from celery_resilient.worker import checks, holding_sweep, pool_drain, recovery
+=======
+from celery_resilient.tasks import handed_results
+from celery_resilient.worker import checks, holding_sweep, pool_drain
+>>>>>>> wt-dispatch
 from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.dispatch import BatchedDispatch
 from celery_resilient.worker.fencing import FencingGuard
@@ -140,8 +145,8 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         rt = Runtime.enabled_on(worker.app)
         if rt is not None and rt.config.batched_takes and not rt.store.dialect.is_sqlite:
             # before the pool forks (this step starts after it): the pool processes inherit
-            # the pipe they hand their results through (tasks/finishes.py)
-            finishes.open_channel()
+            # the pipe they hand their results through (tasks/handed_results.py)
+            handed_results.open_channel()
 
     def start(self, worker: Any) -> None:
         rt = Runtime.of(worker.app)
