@@ -28,13 +28,8 @@ from celery_resilient.errors import ResilientError
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import PROVEN_DEAD, SESSION_ALIVE, UNJUDGED
-<<<<<<< HEAD
-from celery_resilient.tasks import finishes
-from celery_resilient.worker import checks, holding_sweep, pool_drain, recovery
-=======
 from celery_resilient.tasks import handed_results
-from celery_resilient.worker import checks, holding_sweep, pool_drain
->>>>>>> wt-dispatch
+from celery_resilient.worker import checks, holding_sweep, pool_drain, recovery
 from celery_resilient.worker.backpressure import ConsumptionGate
 from celery_resilient.worker.dispatch import BatchedDispatch
 from celery_resilient.worker.fencing import FencingGuard

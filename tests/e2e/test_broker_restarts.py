@@ -6,10 +6,10 @@ of the test's own that keeps its data across the restart (Redis with an fsynced 
 with SIGKILL; RabbitMQ stopped and started, its durable queue kept). Four ``ingest`` units of
 twelve checkpointed rows run two at a time; while two run, the broker goes away and comes
 back. The worker must consume again (a task sent after the restart ends); two more units are
-sent, and the worker is SIGKILLed while a unit runs, and restarted: every unit ends ``done``, each row's effect
-once except the row in flight at an interruption, which may be seen twice (its effect is
-outside the store), every resumed execution starts at its checkpoint, each step and ledger
-effect once, and the broker holds nothing afterwards.
+sent, and the worker is SIGKILLed while a unit runs, and restarted: every unit ends ``done``,
+each row's effect once except the row in flight at an interruption, which may be seen twice
+(its effect is outside the store), every resumed execution starts at its checkpoint, each
+step and ledger effect once, and the broker holds nothing afterwards.
 """
 
 from __future__ import annotations

@@ -385,7 +385,7 @@ def test_sigterms_into_a_stream_of_tasks_exit_promptly_and_run_each_body_once(
     exits (a review: 5 of 6 SIGTERMs with plain Celery).
     Each SIGTERM here must end the worker as promptly as the others (a 30 s wait is that
     hang), and every task must end ``done`` with its body run once. With no result backend
-    the stream takes the group commit (tasks/finishes.py): results handed over as the
+    the stream takes the group commit (tasks/handed_results.py): results handed over as the
     shutdown begins must end with their claims, not be handed back (without that, 6 bodies
     of this test ran twice)."""
     project = make_project(broker_url)

@@ -191,7 +191,7 @@ def test_kill_points_after_effect_and_before_ack(make_env: Callable[..., Env], b
 def test_a_result_handed_over_and_lost_with_its_worker_runs_again_with_effects_once(
         make_env: Callable[..., Env], broker: str, redis_url: str, amqp_url: str,
         tmp_path: Path, effect_log: EffectLog) -> None:
-    """The group commit's window (tasks/finishes.py): a pool process handed its result to
+    """The group commit's window (tasks/handed_results.py): a pool process handed its result to
     the main process, and the whole worker died before the main process committed it. The
     copy finds the claim open and runs the body again, as the relaxed ordering says: its
     steps' effects are not repeated (their markers were committed by the body), the work

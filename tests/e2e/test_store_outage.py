@@ -143,7 +143,7 @@ def test_a_locked_work_table_while_results_wait_runs_no_body_twice(
     """The work table locked against writes for 12 s (``SHARE``, what a ``CREATE INDEX``
     takes) while a stream of short tasks runs, with no result backend: the results pool
     processes handed over wait in the main process for their group commit
-    (tasks/finishes.py), their claims still ``running`` with nothing executing them; reads
+    (tasks/handed_results.py), their claims still ``running`` with nothing executing them; reads
     go on, and the maintainer's sweeps with them. Every task ends done with its body run
     once. (The race a review found here, a reconcile letting such claims go, is pinned by
     tests/integration/test_held_claims.py; this test did not reproduce it without its fix.)"""

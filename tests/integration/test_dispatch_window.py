@@ -1,6 +1,6 @@
 """The prefetch window while acknowledgements wait for the dispatcher's flush.
 
-A finished request whose ack waits for the flush (worker/dispatch.py) holds a prefetch slot
+A finished request whose ack waits for the flush (worker/dispatch/) holds a prefetch slot
 but no pool process; the consumer's window widens by one until the ack, as Celery widens it
 for a request waiting for its ETA, so the flush's latency does not narrow the window the pool
 draws from (its effect on throughput: docs/performance.md, "The batched hot path").

@@ -1,5 +1,5 @@
-"""The group commit: results pool processes hand to the main process (tasks/finishes.py),
-committed by the dispatcher (worker/dispatch.py) before their acknowledgements.
+"""The group commit: results pool processes hand to the main process (tasks/handed_results.py),
+committed by the dispatcher (worker/dispatch/) before their acknowledgements.
 
 The pipe, the store and the dispatcher's thread are real; a forked child stands for the pool
 process (it inherits the pipe as a pool process does). PostgreSQL only: on SQLite every pool
@@ -19,7 +19,7 @@ from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.store.batched_takes import Started, TakeRequest
 from celery_resilient.store.sql import Store
-from celery_resilient.tasks import finishes
+from celery_resilient.tasks import handed_results
 from celery_resilient.worker.dispatch import BatchedDispatch
 
 from .helpers import started
@@ -44,17 +44,17 @@ class Observed(FinishedRequest):
 
 @pytest.fixture
 def channel() -> Iterator[None]:
-    finishes.open_channel()
+    handed_results.open_channel()
     yield
-    finishes.Reader().drain()  # nothing left for the next test
-    finishes.accepting(False)
+    handed_results.Reader().drain()  # nothing left for the next test
+    handed_results.accepting(False)
 
 
 def _in_a_pool_process(work_key: str, epoch: int, result: object) -> bool:
     """Hand a result over from a forked child, as a pool process does; whether it was."""
     pid = os.fork()
     if pid == 0:  # the child: hand it over and leave at once (no cleanup of the parent's)
-        os._exit(0 if finishes.hand(work_key, epoch, codec.encode(result)) else 1)
+        os._exit(0 if handed_results.hand(work_key, epoch, codec.encode(result)) else 1)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0
 
@@ -114,12 +114,12 @@ def test_what_the_pipe_does_not_take_the_pool_process_finishes_itself(
         pg_store: Store, channel: None) -> None:
     """A result too big for one atomic write, or one handed while no dispatcher takes
     results (a warm shutdown stopped it), is refused: the pool process finishes itself."""
-    finishes.accepting(True)
-    assert not _in_a_pool_process("big", 1, "x" * finishes.MAX_RECORD)
-    assert finishes.Reader().drain() == []
-    finishes.accepting(False)
+    handed_results.accepting(True)
+    assert not _in_a_pool_process("big", 1, "x" * handed_results.MAX_RECORD)
+    assert handed_results.Reader().drain() == []
+    handed_results.accepting(False)
     assert not _in_a_pool_process("late", 1, 1)
-    assert finishes.Reader().drain() == []
+    assert handed_results.Reader().drain() == []
 
 
 def test_a_lost_connection_leaves_a_claim_whose_result_is_pending_to_its_result(
@@ -133,7 +133,7 @@ def test_a_lost_connection_leaves_a_claim_whose_result_is_pending_to_its_result(
     config = SimpleNamespace(submit_timeout=60.0, lease_seconds=30.0, max_attempts=5)
     d = BatchedDispatch(SimpleNamespace(store=pg_store, config=config),  # type: ignore[arg-type]
                         me)
-    finishes.accepting(True)  # the dispatcher's thread is not started: nothing commits yet
+    handed_results.accepting(True)  # the dispatcher's thread is not started: nothing commits yet
     request = Observed("t-det", pg_store, "det")
     d._claims[request] = ("det", epoch)
     assert _in_a_pool_process("det", epoch, "r")
@@ -160,7 +160,7 @@ def test_a_finished_request_celery_dropped_before_it_started_holds_its_key_no_mo
     config = SimpleNamespace(submit_timeout=60.0, lease_seconds=30.0, max_attempts=5)
     d = BatchedDispatch(SimpleNamespace(store=pg_store, config=config),  # type: ignore[arg-type]
                         me)
-    finishes.accepting(True)
+    handed_results.accepting(True)
     request = Observed("t-uns", pg_store, "uns")
     d._claims[request] = ("uns", epoch)
     d._unstarted["uns"] = request  # handed on, never heard to start
