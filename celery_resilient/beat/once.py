@@ -43,7 +43,7 @@ from celery_resilient.beat.windows import to_seconds, to_us
 from celery_resilient.core import liveness, workkey
 from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.store.schedule import Run, ScheduleStore, Start
+from celery_resilient.store.schedule import Run, Start
 from celery_resilient.tasks.task import SCHEDULED_FOR_HEADER, ResumableTask
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def check_slot(task: Any) -> None:
         return acks_late and (redelivered or liveness.is_dead(row.owner))
 
     try:
-        outcome = ScheduleStore(rt.store).start(entry, slot, req.id, me,
+        outcome = rt.store.schedule.start(entry, slot, req.id, me,
                                                 take_over=may_take_over)
     except StoreUnavailable as exc:
         _send_later(task, rt, exc, me)

@@ -34,7 +34,7 @@ class BeatState:
     def slots(self) -> ScheduleStore:
         """The store's slot records (made at first use, so a store down at start is no error)."""
         if self._slots is None:
-            self._slots = ScheduleStore(self.runtime.store)
+            self._slots = self.runtime.store.schedule
         return self._slots
 
 

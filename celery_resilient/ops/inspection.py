@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_resilient.ops import reports
-from celery_resilient.store.admin_queries import AdminQueries, WorkDetail
+from celery_resilient.store.admin_queries import WorkDetail
 from celery_resilient.store.sql import Store, WorkInfo
 
 
@@ -34,13 +34,13 @@ class WorkView:
 
 def list_work(store: Store, states: Sequence[str], task: str | None, owner: str | None,
               limit: int) -> WorkList:
-    rows = AdminQueries(store).list_work(states, task, owner, limit)
+    rows = store.admin.list_work(states, task, owner, limit)
     return WorkList(rows, store.now())
 
 
 def show_work(store: Store, work_key: str) -> WorkView | None:
     """The unit stored under ``work_key``, or None when there is none."""
-    detail = AdminQueries(store).work_detail(work_key)
+    detail = store.admin.work_detail(work_key)
     if detail is None:
         return None
     return WorkView(detail, store.now())

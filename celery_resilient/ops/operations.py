@@ -31,7 +31,6 @@ from celery_resilient.core.states import DEAD
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store.operator_queries import (
     ActionReport,
-    OperatorQueries,
     Refusal,
     Republished,
     RepublishRefused,
@@ -50,7 +49,7 @@ def republish(rt: Runtime, work_key: str) -> Republished:
     its attempts keep counting. A running claim whose lease expired counts one more death,
     as the recovery sweep counts it.
     """
-    row = OperatorQueries(rt.store).requeue_for_republish(work_key, rt.config.submit_timeout)
+    row = rt.store.operator.requeue_for_republish(work_key, rt.config.submit_timeout)
     done = Republished(work_key, row.task_id, row.previous_state, row.owner_node,
                        row.previous_state == DEAD)
     assert row.message_json is not None  # republish_refusal() refuses work without one
@@ -75,7 +74,7 @@ def cancel(rt: Runtime, selection: Selection, reason: str | None = None,
            dry_run: bool = False) -> ActionReport:
     """Cancel open work: it never runs again under its task id; a running execution stops
     at its next fenced write (``WorkStopped``, reported as REVOKED to its caller)."""
-    report = OperatorQueries(rt.store).cancel(selection, reason, dry_run)
+    report = rt.store.operator.cancel(selection, reason, dry_run)
     if not dry_run:
         for t in report.changed:
             log.info("operator cancelled work %s (was %s on %s)", t.work_key, t.previous_state,
@@ -114,7 +113,7 @@ def retry(rt: Runtime, selection: Selection, dry_run: bool = False) -> ActionRep
             unsent.extend((t.work_key, f"{type(exc).__name__}: {exc}") for t in batch
                           if t.work_key not in sent)
 
-    report = OperatorQueries(rt.store).retry(
+    report = rt.store.operator.retry(
         selection, rt.config.submit_timeout, dry_run, rewrite=without_expiry,
         on_batch=publish)
     return replace(report, unsent=tuple(unsent))
@@ -140,7 +139,7 @@ def _publish_retried(rt: Runtime, broker: Any, t: Target,
 def forget(rt: Runtime, selection: Selection, dry_run: bool = False) -> ActionReport:
     """Delete ended work with its checkpoint and steps; its ledger markers are kept, so an
     effect it applied is still not applied again."""
-    report = OperatorQueries(rt.store).forget(selection, dry_run)
+    report = rt.store.operator.forget(selection, dry_run)
     if not dry_run:
         for t in report.changed:
             log.info("operator forgot work %s (was %s)", t.work_key, t.previous_state,

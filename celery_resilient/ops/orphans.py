@@ -15,7 +15,7 @@ from typing import Any
 
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.store.admin_queries import AdminQueries, OrphanCandidate
+from celery_resilient.store.admin_queries import OrphanCandidate
 from celery_resilient.store.records import Orphan
 from celery_resilient.store.sql import Store
 from celery_resilient.worker import recovery
@@ -52,7 +52,7 @@ class Recovered:
 def candidates(rt: Runtime, store: Store, node: str | None = None) -> Candidates:
     """Open claims whose lease expired, and with ``node`` every open claim of that node."""
     batch = rt.config.sweep_batch
-    rows = AdminQueries(store).orphan_candidates(batch, node)
+    rows = store.admin.orphan_candidates(batch, node)
     return Candidates(rows, store.now(), batch)
 
 

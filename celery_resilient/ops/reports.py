@@ -17,7 +17,6 @@ from celery_resilient.core.states import ALL_STATES, DEAD, OPEN_STATES
 from celery_resilient.errors import ResilientError
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.store import migrate as migrations
-from celery_resilient.store.admin_queries import AdminQueries
 from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.sql import Store
 
@@ -144,7 +143,7 @@ def status_report(cfg: ResilientConfig, migrate_command: str) -> tuple[dict[str,
 
 
 def _status_data(store: Store) -> dict[str, Any]:
-    s = AdminQueries(store).status()
+    s = store.admin.status()
     now = s.now
     open_rows = [w for st in OPEN_STATES for w in store.list_work(state=st, limit=MAX_OPEN)]
     open_rows.sort(key=lambda w: (w.lease_expires_at is None, w.lease_expires_at or 0.0))

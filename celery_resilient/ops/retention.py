@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from celery_resilient.store.admin_queries import AdminQueries, PruneCounts
+from celery_resilient.store.admin_queries import PruneCounts
 from celery_resilient.store.operator_queries import prune_workers, prune_workers_count
 from celery_resilient.store.sql import Store
 
@@ -37,7 +37,7 @@ class Pruned:
 
 def count(store: Store, older_than: float, ledger: bool, lease_seconds: float) -> Pruned:
     """What :func:`prune` would delete now; reads only."""
-    counts = AdminQueries(store).prune_counts(older_than, ledger=ledger)
+    counts = store.admin.prune_counts(older_than, ledger=ledger)
     return Pruned(counts, prune_workers_count(store, older_than, lease_seconds))
 
 
@@ -47,7 +47,7 @@ def prune(store: Store, older_than: float, ledger: bool, lease_seconds: float) -
     A worker start's row goes only once it stopped, or its lease (``lease_seconds``) ran
     out, before the cutoff, and it owns no open work: a live worker's row is never deleted.
     """
-    counts = AdminQueries(store).prune(older_than, ledger=ledger)
+    counts = store.admin.prune(older_than, ledger=ledger)
     return Pruned(counts, prune_workers(store, older_than, lease_seconds))
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from celery_resilient.beat import windows
 from celery_resilient.ops import reports
-from celery_resilient.store.admin_queries import AdminQueries, EntrySlots
+from celery_resilient.store.admin_queries import EntrySlots
 from celery_resilient.store.sql import Store
 
 
@@ -24,7 +24,7 @@ def default_prefix(app: Any) -> str:
 def entries(app: Any, store: Store, prefix: str) -> list[dict[str, Any]]:
     """Every entry under ``prefix``, one JSON-shaped row each (a ``note`` says what could
     not be computed)."""
-    slots = AdminQueries(store).schedule(prefix)
+    slots = store.admin.schedule(prefix)
     now = store.now()
     return [entry_json(app, e, now) for e in slots]
 

@@ -6,6 +6,7 @@ alone."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from sqlalchemy import (
@@ -13,9 +14,11 @@ from sqlalchemy import (
     select,
 )
 
+from celery_resilient.store.admin_queries import AdminQueries
 from celery_resilient.store.claims import Claims
 from celery_resilient.store.effects import BodyEffects
 from celery_resilient.store.guard import guarded
+from celery_resilient.store.operator_queries import OperatorQueries
 from celery_resilient.store.records import (
     ENDED_PROCESS,
     ENDED_SESSION,
@@ -38,6 +41,7 @@ from celery_resilient.store.records import (
     WorkInfo,
     work_info,
 )
+from celery_resilient.store.schedule import ScheduleStore
 from celery_resilient.store.sweeps import Sweeps
 
 log = logging.getLogger(__name__)
@@ -53,8 +57,30 @@ __all__ = [
 class Store(Claims, Sweeps, BodyEffects):
     """The durable store: claims and takes (:mod:`.claims`), incarnations and liveness
     proofs (:mod:`.incarnations`), sweeps (:mod:`.sweeps`), checkpoints, steps and the
-    ledger (:mod:`.effects`), on the plumbing of :mod:`.db`; and the reads operators and
-    tests use."""
+    ledger (:mod:`.effects`), on the plumbing of :mod:`.db`; the query modules off the hot
+    path as attributes (``admin``, ``operator``, ``schedule``); and the reads operators and
+    tests use.
+
+    The hot-path concerns are mixed in rather than held as attributes: callers say
+    ``store.take(...)``, ``store.save_checkpoint(...)``, naming the operation and not the
+    module it lives in, with one attribute lookup on the paths each task runs."""
+
+    # -- the query modules beside the hot path, built once per store ---------------------
+
+    @functools.cached_property
+    def admin(self) -> AdminQueries:
+        """What operators read and prune (status, listings, detail, retention counts)."""
+        return AdminQueries(self)
+
+    @functools.cached_property
+    def operator(self) -> OperatorQueries:
+        """What operators change (re-publish, cancel, retry, forget)."""
+        return OperatorQueries(self)
+
+    @functools.cached_property
+    def schedule(self) -> ScheduleStore:
+        """Beat's slot records and markers."""
+        return ScheduleStore(self)
 
     # -- reads for operators and tests ----------------------------------------------------
 
