@@ -95,7 +95,7 @@ class ReceiptBuffer:
                     extra={"action": "receipt_dropped", "work_key": receipt.work_key})
 
 
-class HeldRequests:
+class UnackedDeliveries:
     """Task ids of the resumable messages this worker holds (received, not yet acked).
 
     A count per id: a retry or a store-outage re-send reuses the task id, and the copy may be
@@ -136,8 +136,8 @@ class HeldRequests:
                 del self._counts[t]
         return len(gone)
 
-    def holding(self, task_ids: Iterable[str]) -> set[str]:
-        """Those of ``task_ids`` held now (no copy of the whole set)."""
+    def among(self, task_ids: Iterable[str]) -> set[str]:
+        """Those of ``task_ids`` unacknowledged here now (no copy of the whole set)."""
         with self._lock:
             return {t for t in task_ids if t in self._counts}
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.runtime.outcomes import OutcomeBuffer, RecentlyResent
-from celery_resilient.runtime.receipts import HeldRequests, ReceiptBuffer
+from celery_resilient.runtime.receipts import ReceiptBuffer, UnackedDeliveries
 from celery_resilient.store.sql import Store
 
 _ATTR = "_celery_resilient"
@@ -51,7 +51,7 @@ class Runtime:
         self._schema_ready = False
         self._lock = threading.Lock()
         self.receipts = ReceiptBuffer()
-        self.held = HeldRequests()
+        self.unacked = UnackedDeliveries()
         self.resent = RecentlyResent()
         self.outcomes = OutcomeBuffer(self.receipts.arrived)
         #: The worker's Redis fetch, for the startup banner (set at ``worker_init``).

@@ -76,7 +76,7 @@ class ResumableRequest(Request):  # type: ignore[misc]
             return
         rt = Runtime.enabled_on(self.task.app)
         if rt is not None:
-            rt.held.release(self.id)
+            rt.unacked.release(self.id)
             if rt.dispatcher is not None:
                 rt.dispatcher.forget(self)
 

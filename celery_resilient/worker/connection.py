@@ -74,7 +74,7 @@ class ConnectionLossStep(bootsteps.StartStopStep):  # type: ignore[misc]
         known = known_task_ids() | pool_drain.pending_task_ids(getattr(consumer, "pool", None))
         if isinstance(rt.dispatcher, BatchedDispatch):
             rt.dispatcher.detach(known)
-        dropped = rt.held.retain(known)
+        dropped = rt.unacked.retain(known)
         if dropped and not _shutting_down():
             log.warning("broker connection closed: %d received message(s) Celery can no "
                         "longer acknowledge are let go; their claims are re-published once "

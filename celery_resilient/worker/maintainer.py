@@ -116,7 +116,7 @@ class Maintainer(threading.Thread):
         # A delivery acked or rejected before its receipt was written (during a store outage,
         # or within the coalescing window) is no longer this worker's: recording it would
         # reserve the work for a message nobody holds.
-        held = self.rt.held.holding(r.task_id for r in items)
+        held = self.rt.unacked.among(r.task_id for r in items)
         items = [r for r in items if r.task_id in held]
         if items:
             try:
@@ -198,7 +198,7 @@ class Maintainer(threading.Thread):
         dispatcher = self.rt.dispatcher
         finishing = dispatcher.finishing() if dispatcher is not None else frozenset()
         return self.rt.store.reconcile(
-            self.owner, identity.pid_alive, self.rt.held.snapshot(), executing,
+            self.owner, identity.pid_alive, self.rt.unacked.snapshot(), executing,
             EXECUTING_GRACE_SECONDS, self.rt.resent.snapshot(self.store_down_at()),
             2 * cfg.store_retry_max + cfg.sweep_interval, cfg.lease_seconds, finishing)
 

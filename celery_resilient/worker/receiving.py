@@ -34,7 +34,7 @@ def record_received(rt: Runtime, request: Any) -> None:
     task = request.task
     if not isinstance(task, ResumableTask):
         return
-    rt.held.add(request.id)
+    rt.unacked.add(request.id)
     if rt.dispatcher is not None and request.eta is None and not task.rate_limit:
         return  # taken (with its message) before it reaches the pool: worker/dispatch/
     msg = request.message

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from celery_resilient.core.identity import EAGER_SUFFIX, Owner, pid_alive
-from celery_resilient.runtime.receipts import HeldRequests
+from celery_resilient.runtime.receipts import UnackedDeliveries
 from celery_resilient.store.sql import Receipt, Store
 
 from .helpers import expire, owner, run, started
@@ -25,7 +25,7 @@ def test_unheld_reserved_claims_lapse_and_are_re_published(store: Store) -> None
     store.record_receipts([Receipt("held", "proj.task", "t-held", None, '{"m": 1}'),
                            Receipt("gone", "proj.task", "t-gone", None, '{"m": 2}')], me, 30)
     running = run(store, "busy", me, task_id="t-busy")
-    held = HeldRequests()
+    held = UnackedDeliveries()
     held.add("t-held")
     assert store.reconcile(me, held=held.snapshot()) == 1
     orphans = store.claim_orphans(owner("other@host"), 10, 30)
@@ -73,7 +73,7 @@ def test_a_claim_whose_result_waits_for_the_group_commit_is_not_let_go(store: St
 
 
 def test_held_requests_count_copies_of_one_task_id() -> None:
-    held = HeldRequests()
+    held = UnackedDeliveries()
     held.add("t")  # the original
     held.add("t")  # its re-sent copy, received before the original is acknowledged
     held.release("t")
@@ -89,7 +89,7 @@ def test_a_lost_broker_connection_lets_go_of_what_celery_forgot() -> None:
     """After a dropped connection Celery keeps only its executing requests (and reserved or
     ETA ones it did not drop); every other held id goes, copies and all (the e2e proof:
     tests/e2e/test_claims.py::test_a_broker_restart_strands_no_prefetched_work)."""
-    held = HeldRequests()
+    held = UnackedDeliveries()
     for task_id in ("running", "prefetched", "prefetched", "eta"):
         held.add(task_id)
     assert held.retain({"running", "eta", "unrelated"}) == 1

@@ -25,19 +25,19 @@ def test_receipts_flush_in_one_round_and_a_bad_batch_is_dropped(pg_url: str,
     maint, rt = _maintainer(pg_url, table_prefix)
     try:
         for i in range(3):
-            rt.held.add(f"t{i}")  # as the worker's record_received does
+            rt.unacked.add(f"t{i}")  # as the worker's record_received does
             rt.receipts.add(Receipt(f"k{i}", "maint.task", f"t{i}", None, '{"m": 1}'))
         assert maint.flush_receipts() == 3 and len(rt.receipts) == 0
         assert [rt.store.get_work(f"k{i}").state for i in range(3)] == ["reserved"] * 3  # type: ignore[union-attr]
 
         # Acked (or rejected) before its receipt was written: not this worker's any more.
-        rt.held.add("t-gone")
+        rt.unacked.add("t-gone")
         rt.receipts.add(Receipt("k-gone", "maint.task", "t-gone", None, '{"m": 1}'))
-        rt.held.release("t-gone")
+        rt.unacked.release("t-gone")
         assert maint.flush_receipts() == 0 and len(rt.receipts) == 0
         assert rt.store.get_work("k-gone") is None
 
-        rt.held.add("t-bad")
+        rt.unacked.add("t-bad")
         rt.receipts.add(Receipt("x" * 300, "maint.task", "t-bad", None, None))  # > 255 chars
         assert maint.flush_receipts() == 0, "an unwritable batch must be dropped, not retried"
         assert len(rt.receipts) == 0
