@@ -367,9 +367,8 @@ class Claims(Incarnations):
     @guarded
     def is_revoked(self, task_id: str) -> bool:
         rv = self.t.revocations
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             found = conn.execute(select(rv.c.task_id).where(rv.c.task_id == task_id)).first()
-            conn.rollback()
         return found is not None
 
     @guarded
@@ -403,10 +402,9 @@ class Claims(Incarnations):
 
     def _already_finished(self, work_key: str, epoch: int, result_json: str | None) -> bool:
         w = self.t.work
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             row = conn.execute(select(w.c.state, w.c.epoch, w.c.result_json)
                                .where(w.c.work_key == work_key)).first()
-            conn.rollback()
         return row is not None and (row.state, int(row.epoch), row.result_json) == (
             DONE, epoch, result_json)
 

@@ -47,12 +47,11 @@ class ContextRows:
         c = self.table
         data = (c.c.data_json if known_version is None
                 else case((c.c.version == known_version, None), else_=c.c.data_json))
-        with self.store.engine.connect() as conn:
+        with self.store.reading() as conn:
             row = conn.execute(
                 select(c.c.version, data.label("data_json"), c.c.updated_at)
                 .where(c.c.key == key)
             ).first()
-            conn.rollback()
         if row is None:
             return None
         return StoredContext(key, int(row.version), row.data_json, float(row.updated_at))

@@ -65,11 +65,10 @@ class BodyEffects(Database):
     @guarded
     def get_step(self, work_key: str, name: str) -> str | None:
         s = self.t.steps
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             value = conn.execute(
                 select(s.c.result_json).where(s.c.work_key == work_key, s.c.name == name)
             ).scalar_one_or_none()
-            conn.rollback()
         return value
 
     @guarded

@@ -105,12 +105,11 @@ class Incarnations(Database):
     def other_incarnations(self, owner: Owner) -> list[IncarnationRow]:
         """Incarnations of ``owner``'s node name that have not stopped (worker start)."""
         wk = self.t.workers
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             rows = conn.execute(
                 select(wk, self.dialect.now().label("db_now"))
                 .where(wk.c.node == owner.node, wk.c.incarnation != owner.incarnation,
                        wk.c.stopped_at.is_(None))).all()
-            conn.rollback()
         return [IncarnationRow(r.incarnation, r.node, int(r.pid), r.process,
                                float(r.heartbeat_at),
                                None if r.lease_expires_at is None else float(r.lease_expires_at),
@@ -129,13 +128,12 @@ class Incarnations(Database):
             return GoneIncarnations(set(), set(), set())
         wk = self.t.workers
         lease_end = func.coalesce(wk.c.lease_expires_at, wk.c.heartbeat_at + lease_seconds)
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             rows = conn.execute(
                 select(wk.c.incarnation, wk.c.stopped_at.is_not(None).label("stopped"),
                        (wk.c.ended_by == ENDED_SESSION).label("session_ended"),
                        (lease_end < self.dialect.now()).label("expired"))
                 .where(wk.c.incarnation.in_(wanted))).all()
-            conn.rollback()
         dead = {r.incarnation for r in rows if r.stopped}
         # A session found ended is proof even within a lease of an outage (the grace is for
         # owners that could not renew; this one's executions have fenced themselves).
@@ -158,10 +156,9 @@ class Incarnations(Database):
         and every probe from the store would prove ``owner`` dead while it lives."""
         if self.dialect.is_sqlite:
             return False
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             seen = liveness.held_in_this_database(
                 conn, liveness.lock_key(self.prefix, owner.incarnation))
-            conn.rollback()
         return seen
 
     @guarded
@@ -184,7 +181,7 @@ class Incarnations(Database):
         if self.dialect.is_sqlite:
             return []
         wk = self.t.workers
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             here = liveness.server_start(conn)
             rows = conn.execute(
                 select(wk.c.incarnation, wk.c.liveness_server)
@@ -192,7 +189,6 @@ class Incarnations(Database):
                        wk.c.liveness_server.is_not(None), wk.c.ended_by.is_(None),
                        wk.c.lease_expires_at > self.dialect.now(),
                        wk.c.heartbeat_at < self.dialect.now() - stale_seconds)).all()
-            conn.rollback()
         return [r.incarnation for r in rows if abs(float(r.liveness_server) - here) < 1e-3]
 
     @guarded
@@ -266,8 +262,7 @@ class Incarnations(Database):
         """
         if self.dialect.is_sqlite:
             return None
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             value = conn.exec_driver_sql(
                 "SELECT EXTRACT(EPOCH FROM now() - pg_postmaster_start_time())").scalar_one()
-            conn.rollback()
         return float(value)

@@ -114,18 +114,16 @@ class ScheduleStore:
         q = select(m.c.entry, m.c.last_slot, m.c.definition_json)
         if prefix:
             q = q.where(m.c.entry.startswith(prefix, autoescape=True))
-        with self.store.engine.connect() as conn:
+        with self.store.reading() as conn:
             rows = conn.execute(q).all()
-            conn.rollback()
         return {r.entry: Marker(r.entry, float(r.last_slot), r.definition_json) for r in rows}
 
     @guarded
     def marker(self, entry: str) -> Marker | None:
         m = self.markers_t
-        with self.store.engine.connect() as conn:
+        with self.store.reading() as conn:
             r = conn.execute(select(m.c.entry, m.c.last_slot, m.c.definition_json)
                              .where(m.c.entry == entry)).first()
-            conn.rollback()
         return None if r is None else Marker(r.entry, float(r.last_slot), r.definition_json)
 
     @guarded
@@ -362,29 +360,26 @@ class ScheduleStore:
         q = select(r).where(r.c.state == CLAIMED).order_by(r.c.claimed_at, r.c.slot).limit(limit)
         if prefix:
             q = q.where(r.c.entry.startswith(prefix, autoescape=True))
-        with self.store.engine.connect() as conn:
+        with self.store.reading() as conn:
             rows = conn.execute(q).all()
-            conn.rollback()
         return [_run(x) for x in rows]
 
     @guarded
     def runs_of(self, entry: str) -> list[Run]:
         """Every recorded slot of an entry, oldest first (for operators and tests)."""
         r = self.runs
-        with self.store.engine.connect() as conn:
+        with self.store.reading() as conn:
             rows = conn.execute(select(r).where(r.c.entry == entry).order_by(r.c.slot)).all()
-            conn.rollback()
         return [_run(x) for x in rows]
 
     @guarded
     def get_runs(self, keys: Sequence[tuple[str, float]]) -> list[Run]:
         r = self.runs
         out: list[Run] = []
-        with self.store.engine.connect() as conn:
+        with self.store.reading() as conn:
             for chunk in _chunks(keys):
                 out.extend(_run(x) for x in conn.execute(
                     select(r).where(tuple_(r.c.entry, r.c.slot).in_(list(chunk)))).all())
-            conn.rollback()
         return out
 
     @guarded

@@ -87,19 +87,17 @@ class Store(Claims, Sweeps, BodyEffects):
     @guarded
     def get_work(self, work_key: str) -> WorkInfo | None:
         w = self.t.work
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             row = conn.execute(select(w).where(w.c.work_key == work_key)).first()
-            conn.rollback()
         return None if row is None else work_info(row)
 
     @guarded
     def get_message(self, work_key: str) -> str | None:
         """The stored broker message of ``work_key`` (what a re-publish would send)."""
         w = self.t.work
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             value = conn.execute(select(w.c.message_json).where(w.c.work_key == work_key)
                                  ).scalar_one_or_none()
-            conn.rollback()
         return value
 
     @guarded
@@ -108,15 +106,13 @@ class Store(Claims, Sweeps, BodyEffects):
         q = select(w).order_by(w.c.created_at).limit(limit)
         if state:
             q = q.where(w.c.state == state)
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             rows = conn.execute(q).all()
-            conn.rollback()
         return [work_info(r) for r in rows]
 
     @guarded
     def count_by_state(self) -> dict[str, int]:
         w = self.t.work
-        with self.engine.connect() as conn:
+        with self.reading() as conn:
             rows = conn.execute(select(w.c.state, func.count()).group_by(w.c.state)).all()
-            conn.rollback()
         return {str(s): int(n) for s, n in rows}
