@@ -156,11 +156,17 @@ def test_slot_published_twice_runs_once(once_project: OnceProject, tmp_path: Pat
         assert e["task_id"] == task_id_for(p.key, to_us(datetime.fromisoformat(e["slot"])))
 
     logs = worker.process.all_logs()
+    # Copies of the duplicates the crashing beat published, and of any slot whose body ended
+    # in the instants before the worker's warm stop: its acknowledgement, made after the
+    # stop closed the channel, is lost and kombu restores the message (it says so). Each
+    # copy must be skipped, none run.
+    restored = sum(int(n) for n in re.findall(r"Restoring (\d+) unacknowledged message", logs))
+    copies = KILL_AT + restored
     if p.kind == "plain":
         skipped = re.findall(r"already started by \S+; \S+plain_tick\[(\S+)\] not run", logs)
-        assert len(skipped) == KILL_AT, f"expected {KILL_AT} duplicate copies skipped: {logs}"
+        assert len(skipped) == copies, f"expected {copies} duplicate copies skipped: {logs}"
         assert set(p.rows(STARTED)) == set(map(to_seconds, map(to_us, slots)))
     else:
         skipped = re.findall(r"work beat:\S+ (?:already done|not run)", logs)
-        assert len(skipped) == KILL_AT, f"expected {KILL_AT} duplicate copies skipped: {logs}"
+        assert len(skipped) == copies, f"expected {copies} duplicate copies skipped: {logs}"
         assert p.rows(STARTED) == [], "resumable tasks keep their claim, not a start record"
