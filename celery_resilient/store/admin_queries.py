@@ -142,9 +142,21 @@ class AdminQueries:
     # -- status -----------------------------------------------------------------------------
 
     @guarded
+    def _lease_end(self) -> Any:
+        """When a claim's lease ends: its incarnation's lease while that incarnation runs
+        (workers renew the incarnation's row, not each claim's), else the claim's own
+        (an ownerless claim's hold)."""
+        w, wk = self.t.work, self.t.workers
+        owners = (select(wk.c.lease_expires_at)
+                  .where(wk.c.incarnation == w.c.incarnation, wk.c.stopped_at.is_(None))
+                  .scalar_subquery())
+        return case((owners > func.coalesce(w.c.lease_expires_at, 0.0), owners),
+                    else_=w.c.lease_expires_at)
+
     def status(self, dead_limit: int = 20, worker_limit: int = 20) -> Status:
         w, r, c, wk = self.t.work, self.t.schedule_runs, self.t.contexts, self.t.workers
         d = self.store.dialect
+        lease_end = self._lease_end().label("lease_end")
         with self._read() as conn:
             now = float(conn.execute(select(d.now())).scalar_one())
             by_state = {str(s): int(n) for s, n in conn.execute(
@@ -155,12 +167,12 @@ class AdminQueries:
                 .group_by(w.c.state, w.c.owner_node)
                 .order_by(w.c.state, w.c.owner_node)).all()]
             oldest = conn.execute(
-                select(w.c.work_key, w.c.lease_expires_at)
-                .where(w.c.state.in_(OPEN_STATES), w.c.lease_expires_at.is_not(None))
-                .order_by(w.c.lease_expires_at).limit(1)).first()
+                select(w.c.work_key, lease_end)
+                .where(w.c.state.in_(OPEN_STATES), lease_end.is_not(None))
+                .order_by(lease_end).limit(1)).first()
             expired = int(conn.execute(
                 select(func.count()).select_from(w)
-                .where(w.c.state.in_(OPEN_STATES), w.c.lease_expires_at < now)).scalar_one())
+                .where(w.c.state.in_(OPEN_STATES), self._lease_end() < now)).scalar_one())
             dead = [work_info(x) for x in conn.execute(
                 select(w).where(w.c.state == DEAD)
                 .order_by(w.c.updated_at.desc()).limit(dead_limit)).all()]
@@ -177,7 +189,7 @@ class AdminQueries:
         return Status(
             now=now, by_state=by_state, by_owner=by_owner,
             oldest_lease=None if oldest is None else (oldest.work_key,
-                                                      float(oldest.lease_expires_at)),
+                                                      float(oldest.lease_end)),
             expired_leases=expired, dead=dead, slots_pending=int(pending),
             oldest_pending_slot_claim=None if oldest_claim is None else float(oldest_claim),
             contexts=int(n_ctx), oldest_context=None if oldest_ctx is None else float(oldest_ctx),
@@ -237,13 +249,15 @@ class AdminQueries:
         """
         w = self.t.work
         now = self.store.dialect.now()
-        expired = w.c.lease_expires_at < now
+        lease_end = self._lease_end()
+        expired = lease_end < now
         cond = expired if gone_node is None else or_(expired, w.c.owner_node == gone_node)
         with self._read() as conn:
             rows = conn.execute(
                 select(w.c.work_key, w.c.task_name, w.c.task_id, w.c.state, w.c.owner_node,
-                       w.c.lease_expires_at, w.c.deaths, w.c.message_json.is_not(None)
-                       .label("has_message"), expired.label("expired"))
+                       lease_end.label("lease_expires_at"), w.c.deaths,
+                       w.c.message_json.is_not(None).label("has_message"),
+                       expired.label("expired"))
                 .where(w.c.state.in_(OPEN_STATES), cond)
                 .order_by(w.c.created_at)
                 .limit(limit)

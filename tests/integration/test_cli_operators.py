@@ -36,7 +36,7 @@ from celery_resilient.store.operator_queries import OperatorQueries, Selection
 from celery_resilient.store.schedule import ScheduleStore
 from celery_resilient.store.sql import Store
 
-from .helpers import expire, owner, run, take
+from .helpers import expire, expire_incarnation, owner, run, started, take
 
 
 def make_app(store: Store, broker: str, **conf: Any) -> Celery:
@@ -1030,3 +1030,19 @@ def test_migrate_takes_json(tmp_path: Path, redis_url: str) -> None:
     human = invoke(app, "migrate")
     assert "(already current)" in human.output
     store.dispose()
+
+
+def test_a_live_workers_claims_are_not_reported_as_orphans(store: Store) -> None:
+    """Workers renew their incarnation's lease, not each claim's: a claim whose own lease
+    field has long passed is live while its incarnation's lease is, and ``status`` and
+    ``recover --dry-run`` must say so (the sweep judges the same way)."""
+    live = started(store, owner("live@host"))
+    run(store, "k-live", live)
+    expire(store, "k-live", seconds_ago=120)  # the claim row's own field, never renewed
+    admin = AdminQueries(store)
+    assert admin.orphan_candidates(100) == []
+    assert admin.status().expired_leases == 0
+
+    expire_incarnation(store, live)  # its worker stopped renewing: now it is an orphan
+    assert [c.work_key for c in admin.orphan_candidates(100)] == ["k-live"]
+    assert admin.status().expired_leases == 1
