@@ -1,6 +1,7 @@
 """The Celery app the throughput benchmark runs in real ``celery worker`` processes.
 
-Configured by environment: ``BENCH_BROKER``, ``BENCH_QUEUE``, ``BENCH_RESILIENT`` ("1": wire
+Configured by environment: ``BENCH_BROKER``, ``BENCH_QUEUE``, ``BENCH_BACKEND`` (results
+stored there when set), ``BENCH_RESILIENT`` ("1": wire
 ``Resilient(app)`` with ``BENCH_STORE_URL``/``BENCH_TABLE_PREFIX``, and with
 ``BENCH_RELIABLE_FETCH`` "0" kombu's own Redis fetch; "0": plain Celery, no celery-resilient
 at all), and optional ``BENCH_PROFILE_DIR``: time every store call and every SQL statement
@@ -30,7 +31,9 @@ from celery_resilient.store.sql import Store
 app = Celery("bench", broker=os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/13"))
 app.conf.update(
     task_default_queue=os.environ.get("BENCH_QUEUE", "bench"),
-    task_ignore_result=True,
+    # BENCH_BACKEND: a result backend URL; every task stores its result and the caller reads it
+    task_ignore_result=not os.environ.get("BENCH_BACKEND"),
+    result_backend=os.environ.get("BENCH_BACKEND") or None,
     worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "4")),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,

@@ -10,7 +10,16 @@ clock when the queue is empty and nothing is left unacked (acks_late: a message 
 its task returned; for ResumableTask after the result is committed to the store).
 
     python benchmarks/throughput.py [--tasks 2000] [--reps 5] [--durable-submit]
+                                    [--results stored] [--shape stream --rate 300]
                                     [--profile DIR [--cprofile]]
+
+``--results stored``: every task stores its result in a Redis result backend and the caller
+reads every one (the clock stops when all are read), as most Celery apps do; the default sends
+``ignore_result`` tasks. ``--shape stream``: instead of a backlog published before the clock
+starts, a producer sends at ``--rate`` tasks/s while the worker consumes, so deliveries arrive
+a few at a time. Below a mode's capacity every mode keeps up with the rate, and the figure that
+shows the price is the CPU per task (its ratio is the capacity each mode would have on a CPU-
+bound machine); above it the queue builds up into a backlog again.
 
 Prints a markdown table: median tasks/s per mode and the ratio ours/plain.
 """
@@ -45,6 +54,7 @@ from bench_common import (
     wait_for,
 )
 from celery import Celery
+from celery.result import AsyncResult, ResultSet
 from sqlalchemy import create_engine, text
 
 from celery_resilient import Resilient, ResumableTask
@@ -83,7 +93,10 @@ class Mode:
 
 class Bench:
     def __init__(self, broker: str, concurrency: int, tmp: Path,
-                 profile_dir: Path | None, body_ms: float = 0.0, prefetch: int = 4) -> None:
+                 profile_dir: Path | None, body_ms: float = 0.0, prefetch: int = 4,
+                 backend: str | None = None, stream_rate: float | None = None) -> None:
+        self.backend = backend
+        self.stream_rate = stream_rate
         self.body_ms = body_ms
         self.prefetch = prefetch
         self.broker = broker
@@ -92,7 +105,7 @@ class Bench:
         self.profile_dir = profile_dir
         self.cprofile = False
         self.redis = redis.Redis.from_url(broker)
-        self.client = Celery("bench-client", broker=broker)
+        self.client = Celery("bench-client", broker=broker, backend=backend)
         self.unacked_baseline = int(self.redis.hlen("unacked"))
         self._durable: dict[str, Celery] = {}
 
@@ -100,7 +113,7 @@ class Bench:
         env = {"BENCH_BROKER": self.broker, "BENCH_QUEUE": mode.queue,
                "BENCH_RESILIENT": "1" if mode.store_url else "0",
                "BENCH_BODY_MS": str(self.body_ms), "BENCH_RELIABLE_FETCH": mode.reliable_fetch,
-               "BENCH_PREFETCH": str(self.prefetch)}
+               "BENCH_PREFETCH": str(self.prefetch), "BENCH_BACKEND": self.backend or ""}
         if mode.store_url:
             env |= {"BENCH_STORE_URL": mode.store_url, "BENCH_TABLE_PREFIX": mode.prefix}
             store = Store(mode.store_url, mode.prefix)
@@ -150,26 +163,56 @@ class Bench:
         return int(queued) == 0 and int(unacked) <= self.unacked_baseline
 
     def run(self, mode: Mode, n: int, timeout: float = 300) -> tuple[float, float]:
-        """Publish ``n`` tasks, then time their processing; (tasks/s, publish msgs/s)."""
+        """Time the processing of ``n`` tasks; (tasks/s, publish msgs/s).
+
+        Backlog shape: published first, then the clock starts as the worker is told to consume.
+        Stream shape: the worker consumes first, and the clock runs from the first send."""
         client = self.durable_client(mode) if mode.durable else self.client
-        t_publish = time.perf_counter()
-        with client.producer_or_acquire() as producer:
-            for i in range(n):
-                client.send_task(mode.task, args=(i,), queue=mode.queue, producer=producer)
-        t0 = time.perf_counter()
         pids = mode.worker.pids() if mode.worker is not None else []
-        cpu0 = [process_cpu(pid) for pid in pids]
-        busy0 = machine_busy_cpu()
         node = [f"{mode.name}@{socket.gethostname()}"]
-        replies = self.client.control.add_consumer(mode.queue, destination=node, reply=True,
-                                                   timeout=10)
-        if not replies:
-            raise RuntimeError(f"worker {mode.name} did not answer add_consumer")
-        # kombu's blocking pop on the idle queue takes the new queue in only when it returns
-        # (its brpop_timeout, 1 s; the library's fetch waits 0.1 s): without a task on the
-        # idle queue to end it now, plain Celery's clock would carry up to a second more.
-        self.client.send_task(mode.task, args=(-1,), queue=f"{mode.queue}-idle")
+        sent: list[AsyncResult] = []
+
+        def publish(rate: float | None) -> None:
+            with client.producer_or_acquire() as producer:
+                start = time.perf_counter()
+                for i in range(n):
+                    if rate is not None:  # pace the producer: the i-th send is due at i/rate
+                        ahead = start + i / rate - time.perf_counter()
+                        if ahead > 0:
+                            time.sleep(ahead)
+                    sent.append(client.send_task(mode.task, args=(i,), queue=mode.queue,
+                                                 producer=producer))
+
+        def consume() -> None:
+            replies = self.client.control.add_consumer(mode.queue, destination=node,
+                                                       reply=True, timeout=10)
+            if not replies:
+                raise RuntimeError(f"worker {mode.name} did not answer add_consumer")
+            # kombu's blocking pop on the idle queue takes the new queue in only when it
+            # returns (its brpop_timeout, 1 s; the library's fetch waits 0.1 s): without a
+            # task on the idle queue to end it now, plain Celery's clock would carry up to a
+            # second more.
+            self.client.send_task(mode.task, args=(-1,), queue=f"{mode.queue}-idle")
+
+        if self.stream_rate is None:
+            t_publish = time.perf_counter()
+            publish(None)
+            t0 = time.perf_counter()
+            publish_rate = n / (t0 - t_publish)
+            cpu0 = [process_cpu(pid) for pid in pids]
+            busy0 = machine_busy_cpu()
+            consume()
+        else:
+            consume()
+            wait_for(lambda: self.drained(mode), timeout, f"{mode.name} to take the kick")
+            cpu0 = [process_cpu(pid) for pid in pids]
+            busy0 = machine_busy_cpu()
+            t0 = time.perf_counter()
+            publish(self.stream_rate)
+            publish_rate = n / (time.perf_counter() - t0)
         wait_for(lambda: self.drained(mode), timeout, f"{mode.name} to drain {n} tasks")
+        if self.backend:
+            ResultSet(sent, app=self.client).get(timeout=timeout)  # the caller reads them all
         elapsed = time.perf_counter() - t0
         used = [process_cpu(pid) - before for pid, before in zip(pids, cpu0, strict=True)]
         rest = machine_busy_cpu() - busy0 - sum(used)
@@ -177,7 +220,10 @@ class Bench:
                          sum(used[1:]) * 1000 / n, rest * 1000 / n))
         self.client.control.cancel_consumer(mode.queue, destination=node, reply=True,
                                             timeout=10)
-        return n / elapsed, n / (t0 - t_publish)
+        if self.backend:
+            for result in sent:
+                result.forget()
+        return n / elapsed, publish_rate
 
 
 def profile_summary(profile_dir: Path, modes: list[Mode], tasks_per_mode: int) -> str:
@@ -227,6 +273,10 @@ def versions(pg_url: str, r: redis.Redis) -> str:
 
 def results_table(modes: list[Mode]) -> str:
     plain = modes[0]
+
+    def cpu_total(mode: Mode) -> float:
+        return median([sum(c) for c in mode.cpu[-len(mode.rates):]])
+
     rows = []
     for mode in modes:
         paired = [r / p for r, p in zip(mode.rates, plain.rates, strict=True)]
@@ -238,12 +288,14 @@ def results_table(modes: list[Mode]) -> str:
             f"{median(mode.rates) / median(plain.rates):.2f}",
             f"{median(paired):.2f}", f"{median(added):+.3f}", f"{median(mode.publish_rates):.0f}",
             *(f"{median([c[i] for c in mode.cpu[-len(mode.rates):]]):.2f}" for i in range(3)),
+            f"{cpu_total(plain) / cpu_total(mode):.2f}",
         ))
     return markdown_table(
         ["mode", "store", "median tasks/s", "range", "ratio ours/plain (medians)",
          "ratio (median of per-rep pairs)", "added ms per task (wall, per-rep pairs)",
          "publish msgs/s",
-         "CPU ms/task: worker main", "pool processes", "rest of machine"], rows)
+         "CPU ms/task: worker main", "pool processes", "rest of machine",
+         "CPU ratio plain/ours (all CPU per task)"], rows)
 
 
 def measure(bench: Bench, modes: list[Mode], args: argparse.Namespace) -> None:
@@ -297,7 +349,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cprofile", action="store_true",
                         help="with --profile: also a CPU-time cProfile of every worker process "
                              "(<DIR>/<mode>/<role>-<pid>.prof; read with python -m pstats)")
+    parser.add_argument("--results", choices=("ignored", "stored"), default="ignored",
+                        help="stored: a Redis result backend (--backend), the caller reads "
+                             "every result before the clock stops")
+    parser.add_argument("--backend", default=None,
+                        help="result backend URL for --results stored (default: the broker's "
+                             "Redis, next database)")
+    parser.add_argument("--shape", choices=("backlog", "stream"), default="backlog",
+                        help="backlog: published before the clock starts; stream: sent at "
+                             "--rate while the worker consumes")
+    parser.add_argument("--rate", type=float, default=300.0,
+                        help="tasks/s the producer sends in the stream shape")
     args = parser.parse_args(argv)
+    if args.results == "stored" and args.backend is None:
+        base, _, db = args.broker.rpartition("/")
+        args.backend = f"{base}/{(int(db or 0) + 1) % 16}"
     if args.cprofile and not args.profile:
         parser.error("--cprofile needs --profile DIR")
     return args
@@ -335,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         mode.queue = f"bench-{mode.name}-{tag}"
 
     bench = Bench(args.broker, args.concurrency, tmp, args.profile, args.body_ms,
-                  args.prefetch)
+                  args.prefetch, backend=args.backend if args.results == "stored" else None,
+                  stream_rate=args.rate if args.shape == "stream" else None)
     bench.cprofile = args.cprofile
     if bench.unacked_baseline:
         print(f"note: {bench.unacked_baseline} unacked messages already in {args.broker}; "
@@ -346,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"broker {args.broker}; celery worker -c {args.concurrency} prefork, "
           f"prefetch x{args.prefetch}; "
           f"{args.tasks} tasks x {args.reps} reps per mode, {args.warmup} warm-up tasks, "
-          f"task body {args.body_ms} ms\n",
+          f"task body {args.body_ms} ms; results {args.results}"
+          + (f" in {args.backend}" if args.results == "stored" else "")
+          + (f"; stream at {args.rate:.0f} tasks/s" if args.shape == "stream"
+             else "; backlog published before the clock") + "\n",
           flush=True)
     try:
         measure(bench, modes, args)
