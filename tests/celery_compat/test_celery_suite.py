@@ -54,6 +54,14 @@ BY_DESIGN = {
     "test_Inspect::test_active": "ResumableTask is acks_late: `acknowledged` is False",
     "test_Inspect::test_query_task": "the same: `acknowledged` is False while it runs",
 }
+#: Celery's tests that race the worker in the test process: with the failure's mechanism.
+RACES = {
+    "test_task_replacement::test_replaced_task_nesting_level_0":
+        "connects its task_received check, sends, then resets its flag: a worker that "
+        "receives the task before the sender's next line leaves the flag False",
+}
+#: Runs alone a failure of a test in RACES gets before it counts (the other tests get one).
+AGAIN_RACES = 3
 #: What the suite needs beyond this package's own dependencies (its requirements/test.txt).
 SUITE_NEEDS = ("pydantic", "pytest_rerunfailures", "pytest_order", "pytest_timeout")
 #: Parts of each mode's run, at once: part i runs the i-th of every SHARDS tests
@@ -125,6 +133,24 @@ def outcome(run: subprocess.Popen[str], report: Path,
     return failed, passed, out[-8000:]
 
 
+def rerun_alone(tree: Path, prefix: str, tests: set[str], attempt: int) -> set[str]:
+    """Run ``tests`` again alone with ResumableTask, on a Redis server of their own; the
+    ones that failed again (the run's output is printed)."""
+    server = ThrowawayRedis().start()
+    migrate(prefix)
+    run = start_suite(tree, "resilient", server, prefix, [NODE_IDS[n] for n in sorted(tests)],
+                      run_name=f"-again{attempt}")
+    try:
+        again, _, again_tail = outcome(*run, time.monotonic() + AGAIN_SECONDS)
+    finally:
+        stop(run[0])
+        server.destroy()
+        drop_prefixed_tables(PG_URL, prefix)
+    print(f"failed with ResumableTask only, run again alone ({attempt + 1}): {sorted(tests)}; "
+          f"failed again: {sorted(again)}\n{again_tail if again else ''}")
+    return again
+
+
 def stop(run: subprocess.Popen[str]) -> None:
     """SIGKILL whatever is left of a run's process group (the run past its deadline, worker
     processes its tests started)."""
@@ -153,7 +179,7 @@ def node_id(classname: str, name: str) -> str:
     return f"{classname}::{name}"
 
 
-@pytest.mark.timeout(SUITE_SECONDS + AGAIN_SECONDS + 300)  # the suite waits on timeouts
+@pytest.mark.timeout(SUITE_SECONDS + AGAIN_RACES * AGAIN_SECONDS + 300)  # it waits
 def test_celery_suite_passes_with_resumable_task_as_every_base(
         celery_tree: Path, tmp_path: Path) -> None:
     """Both modes at once, each part on a Redis server and a copy of the tree of its own:
@@ -194,23 +220,17 @@ def test_celery_suite_passes_with_resumable_task_as_every_base(
     if unexpected:
         # Some of Celery's tests race the worker (a signal handler set up after the send):
         # a failure that does not come back when the test runs again alone is such a race;
-        # one that does is a failure. The re-run is printed either way.
-        server = ThrowawayRedis().start()
-        prefix = prefixes[0]
-        migrate(prefix)
-        again_run = start_suite(celery_tree, "resilient", server, prefix,
-                                [NODE_IDS[n] for n in sorted(unexpected)], run_name="-again")
-        try:
-            again, _, again_tail = outcome(*again_run, time.monotonic() + AGAIN_SECONDS)
-        finally:
-            stop(again_run[0])
-            server.destroy()
-            drop_prefixed_tables(PG_URL, prefix)
-        print(f"failed with ResumableTask only, run again alone: {sorted(unexpected)}; "
-              f"failed again: {sorted(again)}")
+        # one that does is a failure. The tests in RACES lose their race under load on
+        # either side (the re-run shares the machine with the rest of CI): they get up to
+        # AGAIN_RACES runs alone, every other test one. Each re-run is printed.
+        again = set(unexpected)
+        for attempt in range(AGAIN_RACES):
+            again = rerun_alone(celery_tree, prefixes[0], again, attempt)
+            if again - RACES.keys() or not again:
+                break
         assert again == set(), (
             f"failures with ResumableTask only, again when run alone: {sorted(again)}\n"
-            f"{again_tail}\nfirst run:\n{tail}")
+            f"first run:\n{tail}")
     assert BY_DESIGN.keys() - failed == set(), (
         "these tests pass now: remove them from BY_DESIGN and docs/guarantees.md")
     assert len(passed) >= 300, f"only {len(passed)} of Celery's tests passed:\n{tail}"
@@ -218,5 +238,5 @@ def test_celery_suite_passes_with_resumable_task_as_every_base(
 
 def test_every_by_design_failure_is_documented() -> None:
     text = DOCS.read_text()
-    undocumented = [name for name in BY_DESIGN if name.split("::")[1] not in text]
+    undocumented = [name for name in {**BY_DESIGN, **RACES} if name.split("::")[1] not in text]
     assert not undocumented, f"docs/guarantees.md does not list {undocumented}"
