@@ -84,10 +84,11 @@ def process_cpu(pid: int) -> float:
 
 
 def machine_busy_cpu() -> float:
-    """CPU seconds every CPU of the machine has spent busy (not idle or iowait) so far."""
+    """CPU seconds every CPU of the machine has spent busy (not idle or iowait) so far;
+    steal (time the hypervisor gave another guest) is not this machine's work."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return (sum(values[:7]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: Sequence[float], p: float) -> float:

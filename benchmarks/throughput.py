@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import sqlite3
@@ -59,7 +60,11 @@ from sqlalchemy import create_engine, text
 
 from celery_resilient import Resilient, ResumableTask
 from celery_resilient.store.sql import Store
-from celery_resilient.testing.services import drop_prefixed_tables
+from celery_resilient.testing.services import (
+    ThrowawayPostgres,
+    ThrowawayRedis,
+    drop_prefixed_tables,
+)
 
 PLAIN, RESUMABLE = "bench.plain", "bench.resumable"
 
@@ -79,8 +84,9 @@ class Mode:
     worker: Worker | None = None
     rates: list[float] = field(default_factory=list)
     publish_rates: list[float] = field(default_factory=list)
-    # CPU ms per task while the tasks ran: worker main process, pool processes, rest of machine
-    cpu: list[tuple[float, float, float]] = field(default_factory=list)
+    # CPU ms per task while the tasks ran: worker main process, pool processes, then the rest
+    # of the machine, or with --own-servers: the PostgreSQL server, the Redis server, the caller
+    cpu: list[tuple[float, ...]] = field(default_factory=list)
 
     @property
     def store_label(self) -> str:
@@ -108,6 +114,8 @@ class Bench:
         self.client = Celery("bench-client", broker=broker, backend=backend)
         self.unacked_baseline = int(self.redis.hlen("unacked"))
         self._durable: dict[str, Celery] = {}
+        #: With --own-servers: the servers whose processes' CPU is counted, one column each.
+        self.servers: OwnServers | None = None
 
     def start(self, mode: Mode) -> None:
         env = {"BENCH_BROKER": self.broker, "BENCH_QUEUE": mode.queue,
@@ -127,6 +135,14 @@ class Bench:
         # The worker starts on an idle queue of its own; run() points it at the loaded queue.
         mode.worker = Worker(mode.name, env, f"{mode.queue}-idle", self.tmp,
                              concurrency=self.concurrency).start()
+
+    def server_cpu(self) -> tuple[float, ...]:
+        """CPU seconds so far of the PostgreSQL server (every process of its cluster), the
+        Redis server and this process (the caller: producer and result reader)."""
+        if self.servers is None:
+            return ()
+        return (sum(process_cpu(pid) for pid in self.servers.pg_pids()),
+                process_cpu(self.servers.redis_pid), own_cpu())
 
     def durable_client(self, mode: Mode) -> Celery:
         """A client app as a web process would have it: Resilient, the task known by
@@ -200,13 +216,13 @@ class Bench:
             t0 = time.perf_counter()
             publish_rate = n / (t0 - t_publish)
             cpu0 = [process_cpu(pid) for pid in pids]
-            busy0 = machine_busy_cpu()
+            busy0, servers0 = machine_busy_cpu(), self.server_cpu()
             consume()
         else:
             consume()
             wait_for(lambda: self.drained(mode), timeout, f"{mode.name} to take the kick")
             cpu0 = [process_cpu(pid) for pid in pids]
-            busy0 = machine_busy_cpu()
+            busy0, servers0 = machine_busy_cpu(), self.server_cpu()
             t0 = time.perf_counter()
             publish(self.stream_rate)
             publish_rate = n / (time.perf_counter() - t0)
@@ -216,14 +232,96 @@ class Bench:
         elapsed = time.perf_counter() - t0
         used = [process_cpu(pid) - before for pid, before in zip(pids, cpu0, strict=True)]
         rest = machine_busy_cpu() - busy0 - sum(used)
-        mode.cpu.append((used[0] * 1000 / n if used else 0.0,
-                         sum(used[1:]) * 1000 / n, rest * 1000 / n))
+        main_and_pool = (used[0] * 1000 / n if used else 0.0, sum(used[1:]) * 1000 / n)
+        if self.servers is None:
+            mode.cpu.append((*main_and_pool, rest * 1000 / n))
+        else:
+            servers = self.server_cpu()
+            mode.cpu.append((*main_and_pool, *((after - before) * 1000 / n for after, before
+                                               in zip(servers, servers0, strict=True))))
         self.client.control.cancel_consumer(mode.queue, destination=node, reply=True,
                                             timeout=10)
         if self.backend:
             for result in sent:
                 result.forget()
         return n / elapsed, publish_rate
+
+def own_cpu() -> float:
+    """CPU seconds this process (and its threads) has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class OwnServers:
+    """A PostgreSQL cluster and a Redis server of the benchmark's own: nothing else uses them,
+    so their processes' CPU is each mode's price on the server side. The cluster runs with
+    autovacuum on (as production does; the machine's shared server may not) and
+    ``pg_stat_statements`` (planning tracked), for the statements each mode makes."""
+
+    def __init__(self) -> None:
+        self.pg = ThrowawayPostgres(settings=["shared_preload_libraries=pg_stat_statements",
+                                              "pg_stat_statements.track_planning=on"]).init()
+        self.redis = ThrowawayRedis()
+        try:
+            self.pg.start()
+            self.redis.start()
+            self._admin = create_engine(self.pg.url, isolation_level="AUTOCOMMIT")
+            with self._admin.connect() as conn:
+                conn.execute(text("CREATE EXTENSION pg_stat_statements"))
+        except BaseException:
+            self.destroy()
+            raise
+
+    @property
+    def redis_pid(self) -> int:
+        assert self.redis.proc is not None
+        return self.redis.proc.pid
+
+    def pg_pids(self) -> list[int]:
+        """The postmaster and its children (backends, WAL writer, checkpointer, autovacuum)."""
+        postmaster = self.pg.postmaster_pid()
+        pids = [postmaster]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended while we looked
+            if ppid == postmaster:
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def reset_statements(self) -> None:
+        with self._admin.connect() as conn:
+            conn.execute(text("SELECT pg_stat_statements_reset()"))
+
+    def statements(self, tasks: int) -> str:
+        """The statements made since the last reset, per task: calls, server time (planning
+        and execution), WAL bytes; the benchmark's own queries left out."""
+        with self._admin.connect() as conn:
+            rows = conn.execute(text(
+                "SELECT query, calls, total_plan_time, total_exec_time, wal_bytes "
+                "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
+                "WHERE datname = current_database()) AND query NOT LIKE '%pg_stat_statements%' "
+                "ORDER BY total_plan_time + total_exec_time DESC")).all()
+        total = sum(r.total_plan_time + r.total_exec_time for r in rows)
+        shown = [r for r in rows if r.calls >= tasks / 100]
+        table = markdown_table(
+            ["statement", "calls per task", "mean plan ms", "mean exec ms",
+             "server ms per task", "WAL bytes per task"],
+            [(f"`{' '.join(r.query.split())[:90]}`", f"{r.calls / tasks:.2f}",
+              f"{r.total_plan_time / r.calls:.3f}", f"{r.total_exec_time / r.calls:.3f}",
+              f"{(r.total_plan_time + r.total_exec_time) / tasks:.3f}",
+              f"{int(r.wal_bytes) / tasks:.0f}") for r in shown])
+        return (f"\n### PostgreSQL statements of the timed reps, every PostgreSQL mode "
+                f"(pg_stat_statements), {tasks} tasks: {total / tasks:.3f} server ms per task "
+                f"in all\n\n{table}")
+
+    def destroy(self) -> None:
+        admin = getattr(self, "_admin", None)
+        if admin is not None:
+            admin.dispose()
+        self.redis.destroy()
+        self.pg.destroy()
 
 
 def profile_summary(profile_dir: Path, modes: list[Mode], tasks_per_mode: int) -> str:
@@ -271,8 +369,11 @@ def versions(pg_url: str, r: redis.Redis) -> str:
             f"Redis {redis_version}")
 
 
-def results_table(modes: list[Mode]) -> str:
+def results_table(modes: list[Mode], own_servers: bool) -> str:
     plain = modes[0]
+    cpu_columns = ["worker main", "pool processes",
+                   *(("PostgreSQL server", "Redis server", "caller") if own_servers
+                     else ("rest of machine",))]
 
     def cpu_total(mode: Mode) -> float:
         return median([sum(c) for c in mode.cpu[-len(mode.rates):]])
@@ -287,14 +388,15 @@ def results_table(modes: list[Mode]) -> str:
             f"{min(mode.rates):.0f}-{max(mode.rates):.0f}",
             f"{median(mode.rates) / median(plain.rates):.2f}",
             f"{median(paired):.2f}", f"{median(added):+.3f}", f"{median(mode.publish_rates):.0f}",
-            *(f"{median([c[i] for c in mode.cpu[-len(mode.rates):]]):.2f}" for i in range(3)),
+            *(f"{median([c[i] for c in mode.cpu[-len(mode.rates):]]):.2f}"
+              for i in range(len(cpu_columns))),
             f"{cpu_total(plain) / cpu_total(mode):.2f}",
         ))
     return markdown_table(
         ["mode", "store", "median tasks/s", "range", "ratio ours/plain (medians)",
          "ratio (median of per-rep pairs)", "added ms per task (wall, per-rep pairs)",
          "publish msgs/s",
-         "CPU ms/task: worker main", "pool processes", "rest of machine",
+         "CPU ms/task: worker main", "pool processes", *cpu_columns[2:],
          "CPU ratio plain/ours (all CPU per task)"], rows)
 
 
@@ -304,6 +406,8 @@ def measure(bench: Bench, modes: list[Mode], args: argparse.Namespace) -> None:
     for mode in modes:
         wait_for(lambda m=mode: bench.ping(m), 60, f"worker {mode.name} to answer")
         bench.run(mode, args.warmup, timeout=120)
+    if bench.servers is not None:
+        bench.servers.reset_statements()
     for rep in range(args.reps):
         order = modes[rep % len(modes):] + modes[:rep % len(modes)]
         for mode in order:
@@ -360,6 +464,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "--rate while the worker consumes")
     parser.add_argument("--rate", type=float, default=300.0,
                         help="tasks/s the producer sends in the stream shape")
+    parser.add_argument("--own-servers", action="store_true",
+                        help="run on a PostgreSQL cluster and a Redis server of the benchmark's "
+                             "own (autovacuum on), and print their CPU per task and the "
+                             "statements each task costs the server (pg_stat_statements) "
+                             "instead of the rest of the machine's CPU")
     args = parser.parse_args(argv)
     if args.results == "stored" and args.backend is None:
         base, _, db = args.broker.rpartition("/")
@@ -372,6 +481,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
+    servers = OwnServers() if args.own_servers else None
+    if servers is not None:
+        args.broker = servers.redis.url.rsplit("/", 1)[0] + "/13"
+        args.pg_url = servers.pg.url
+        if args.results == "stored":
+            args.backend = servers.redis.url.rsplit("/", 1)[0] + "/14"
+    try:
+        return run_modes(args, servers)
+    finally:
+        if servers is not None:
+            servers.destroy()
+
+
+def run_modes(args: argparse.Namespace, servers: OwnServers | None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     tag = uuid.uuid4().hex[:8]
     modes = [Mode("plain", PLAIN)]
@@ -404,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                   args.prefetch, backend=args.backend if args.results == "stored" else None,
                   stream_rate=args.rate if args.shape == "stream" else None)
     bench.cprofile = args.cprofile
+    bench.servers = servers
     if bench.unacked_baseline:
         print(f"note: {bench.unacked_baseline} unacked messages already in {args.broker}; "
               "use a broker database of its own for exact drain detection", file=sys.stderr)
@@ -432,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print("load average at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print()
-    print(results_table(modes))
+    print(results_table(modes, servers is not None))
+    if servers is not None:
+        print(servers.statements(args.reps * args.tasks))
     if args.profile:
         print(profile_summary(args.profile, modes, args.warmup + args.reps * args.tasks))
     shutil.rmtree(tmp, ignore_errors=True)

@@ -142,50 +142,73 @@ class BatchedTakes:
              "message": "i.message_json", "node": "%(node)s", "inc": "%(inc)s",
              "lease": "%(lease)s", "max_attempts": "%(max_attempts)s",
              "revoked_among": " AND r.task_id = ANY(%(task_ids)s::text[])"}
-        self.pg_batch = (
-            # The rows come as JSON arrays of arrays (one parameter each): psycopg dumps a
-            # text in C where a list of texts costs Python work per element.
-            "WITH started AS ("
-            f"UPDATE {work} AS w SET owner_pid = s.pid "
+        # The statement's parts: only those a batch has rows for are sent (below), because
+        # planning is most of what a small batch costs the server.
+        self._started = (
+            f"started AS (UPDATE {work} AS w SET owner_pid = s.pid "
             "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch, (e->>2)::int AS pid "
             "FROM json_array_elements(%(started)s::json) AS e) AS s "
             f"WHERE w.work_key = s.work_key AND w.epoch = s.epoch AND w.state = '{RUNNING}' "
             f"AND w.owner_pid = {UNSTARTED_PID} "
-            "AND w.work_key = ANY(%(started_keys)s::text[]) RETURNING 1), "
+            "AND w.work_key = ANY(%(started_keys)s::text[]) RETURNING 1)")
+        self._lost = (
             f"lost AS (UPDATE {work} AS w SET incarnation = NULL, owner_pid = NULL, "
             f"lease_expires_at = {now} "
             "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch "
             "FROM json_array_elements(%(lost)s::json) AS e) AS l "
             f"WHERE w.work_key = l.work_key AND w.epoch = l.epoch AND w.state = '{RUNNING}' "
             "AND w.incarnation = %(inc)s AND w.work_key = ANY(%(lost_keys)s::text[]) "
-            "RETURNING 1), "
+            "RETURNING 1)")
+        self._takes = (
+            # The rows come as JSON arrays of arrays (one parameter each): psycopg dumps a
+            # text in C where a list of texts costs Python work per element.
             "i AS (SELECT e->>0 AS work_key, e->>1 AS task_name, e->>2 AS task_id, "
             "e->>3 AS digest, (e->>4)::int AS retries, (e->>5)::bigint AS supersedes, "
             "e->>6 AS message_json FROM json_array_elements(%(takes)s::json) AS e), "
             f"upd AS (UPDATE {work} AS w SET {set_running.format(**i)} FROM i "
             "WHERE w.work_key = i.work_key AND w.work_key = ANY(%(keys)s::text[]) "
             f"AND {takeable.format(**i)} RETURNING {taken}), "
-            # Results handed by pool processes: ``done`` under the epoch they ran with, as
-            # the pool process's own finish (HotStatements.close) would write it.
-            f"fin AS (UPDATE {work} AS w SET state = '{DONE}', result_json = f.result_json, "
-            "error = NULL, owner_pid = NULL, lease_expires_at = NULL, "
-            f"updated_at = {now}, finished_at = {now} "
-            "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch, e->>2 AS result_json "
-            "FROM json_array_elements(%(finishes)s::json) AS e) AS f "
-            f"WHERE w.work_key = f.work_key AND w.epoch = f.epoch AND w.state = '{RUNNING}' "
-            "AND w.work_key = ANY(%(finish_keys)s::text[]) RETURNING w.work_key), "
             f"ins AS (INSERT INTO {work} ({insert_cols}) "
             f"SELECT {insert_values.format(**i)} FROM i "
             f"WHERE NOT EXISTS (SELECT 1 FROM {work} w WHERE w.work_key = i.work_key) "
             f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = i.task_id "
             "AND r.task_id = ANY(%(task_ids)s::text[])) "
             "ON CONFLICT (work_key) DO NOTHING RETURNING work_key, epoch, attempts, deaths, "
-            "NULL::text, 0::bigint, NULL::bigint, 0::bigint, NULL::text, NULL::bigint) "
-            "SELECT true, work_key, epoch, attempts, deaths, checkpoint_json, checkpoint_seq, "
-            "checkpoint_epoch, checkpoint_takes, old_state_json, old_seq FROM upd "
-            "UNION ALL SELECT true, * FROM ins "
-            "UNION ALL SELECT false, work_key, NULL::bigint, NULL::int, NULL::int, NULL::text, "
-            "NULL::bigint, NULL::bigint, NULL::bigint, NULL::text, NULL::bigint FROM fin")
+            "NULL::text, 0::bigint, NULL::bigint, 0::bigint, NULL::text, NULL::bigint)")
+        # Results handed by pool processes: ``done`` under the epoch they ran with, as the
+        # pool process's own finish (HotStatements.close) would write it.
+        self._finishes = (
+            f"fin AS (UPDATE {work} AS w SET state = '{DONE}', result_json = f.result_json, "
+            "error = NULL, owner_pid = NULL, lease_expires_at = NULL, "
+            f"updated_at = {now}, finished_at = {now} "
+            "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch, e->>2 AS result_json "
+            "FROM json_array_elements(%(finishes)s::json) AS e) AS f "
+            f"WHERE w.work_key = f.work_key AND w.epoch = f.epoch AND w.state = '{RUNNING}' "
+            "AND w.work_key = ANY(%(finish_keys)s::text[]) RETURNING w.work_key)")
+        self._pg_statements: dict[tuple[bool, bool, bool, bool], str] = {}
+
+    def pg_statement(self, started: bool, lost: bool, takes: bool, finishes: bool) -> str:
+        """The batch statement with only the parts that have rows: one statement, so one
+        transaction, whatever it holds; built once per combination (16 at most)."""
+        parts = (started, lost, takes, finishes)
+        made = self._pg_statements.get(parts)
+        if made is not None:
+            return made
+        ctes = [sql for sql, wanted in ((self._started, started), (self._lost, lost),
+                                        (self._takes, takes), (self._finishes, finishes))
+                if wanted]
+        # A data-modifying CTE runs to completion whether or not the query reads it.
+        selects = ["SELECT true, work_key, epoch, attempts, deaths, checkpoint_json, "
+                   "checkpoint_seq, checkpoint_epoch, checkpoint_takes, old_state_json, "
+                   "old_seq FROM upd", "SELECT true, * FROM ins"] if takes else []
+        if finishes:
+            selects.append("SELECT false, work_key, NULL::bigint, NULL::int, NULL::int, "
+                           "NULL::text, NULL::bigint, NULL::bigint, NULL::bigint, NULL::text, "
+                           "NULL::bigint FROM fin")
+        made = (f"WITH {', '.join(ctes)} " if ctes else "") + (
+            " UNION ALL ".join(selects) if selects else "SELECT false WHERE false")
+        self._pg_statements[parts] = made
+        return made
 
     def run(self, conn: Connection, takes: Sequence[TakeRequest], started: Sequence[Started],
             node: str, inc: str, lease: float, max_attempts: int,
@@ -223,7 +246,9 @@ class BatchedTakes:
         assert raw is not None
         cursor = raw.cursor()
         try:
-            cursor.execute(self.pg_batch, params)
+            cursor.execute(self.pg_statement(
+                bool(params["started_keys"]), bool(params["lost_keys"]), bool(takes),
+                bool(finishes)), params)
             taken, finished = [], set()
             for row in cursor.fetchall():
                 if row[0]:

@@ -51,9 +51,12 @@ def _pg_bin(name: str) -> str:
 class ThrowawayPostgres:
     """A PostgreSQL cluster of its own (``initdb``), run as ``postgres`` when we are root."""
 
-    def __init__(self, max_connections: int = 100, also_listen: Sequence[str] = ()) -> None:
+    def __init__(self, max_connections: int = 100, also_listen: Sequence[str] = (),
+                 settings: Sequence[str] = ()) -> None:
         #: Addresses besides 127.0.0.1 it listens on, and accepts anyone from (tests only).
         self.also_listen = list(also_listen)
+        #: Server settings (``name=value``) it starts with, e.g. ``shared_preload_libraries=...``.
+        self.settings = list(settings)
         self.dir = Path(tempfile.mkdtemp(prefix="resilient-pg-", dir="/tmp"))
         self.data = self.dir / "data"
         self.log = self.dir / "server.log"
@@ -84,7 +87,12 @@ class ThrowawayPostgres:
         self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60",
                   "-o", f"-p {self.port} -k {self.dir} -c listen_addresses="
                   f"{','.join(['127.0.0.1', *self.also_listen])} "
-                  f"-c max_connections={self.max_connections}", "start")
+                  f"-c max_connections={self.max_connections}"
+                  + "".join(f" -c {setting}" for setting in self.settings), "start")
+
+    def postmaster_pid(self) -> int:
+        """The server's main process (the first line of ``postmaster.pid``)."""
+        return int((self.data / "postmaster.pid").read_text().split()[0])
 
     def stop_immediately(self) -> None:
         """The outage: every backend killed at once, no shutdown checkpoint."""

@@ -209,3 +209,29 @@ def test_the_group_commit_records_results_under_their_epoch_only(store: Store) -
     assert a is not None and (a.state, a.owner_pid, a.lease_expires_at) == ("done", None, None)
     assert codec.decode(a.result_json) == "ra" and a.finished_at is not None
     assert b is not None and b.state == "running" and b.result_json is None
+
+
+@pytest.mark.parametrize("parts", range(16), ids=lambda n: f"parts{n:04b}")
+def test_every_combination_of_a_batch_s_parts_does_each_part_s_work(
+        pg_store: Store, parts: int) -> None:
+    """PostgreSQL sends only the parts of the statement a batch has rows for (started
+    marks, lost marks, takes, results): each of the 16 statements does exactly its parts'
+    work, and a part left out leaves its rows alone."""
+    store = pg_store
+    with_started, with_lost, with_takes, with_finishes = (bool(parts & bit)
+                                                          for bit in (8, 4, 2, 1))
+    me = started(store, owner())
+    claims, _ = store.take_batch([request("s"), request("l"), request("f")], [], me, 30.0, 5)
+    marks = ([Started("s", claims["s"].epoch, 4242)] if with_started else []) + (
+        [Started("l", claims["l"].epoch, None)] if with_lost else [])
+    fins = [Finish("f", claims["f"].epoch, codec.encode("rf"))] if with_finishes else []
+    taken, finished = store.take_batch([request("t")] if with_takes else [], marks, me, 30.0,
+                                       5, fins)
+    assert set(taken) == ({"t"} if with_takes else set())
+    assert finished == ({"f"} if with_finishes else set())
+    s, lost, f, t = (store.get_work(k) for k in ("s", "l", "f", "t"))
+    assert s is not None and s.owner_pid == (4242 if with_started else UNSTARTED_PID)
+    assert lost is not None and (lost.owner_pid, lost.incarnation) == (
+        (None, None) if with_lost else (UNSTARTED_PID, me.incarnation))
+    assert f is not None and f.state == ("done" if with_finishes else "running")
+    assert (t is not None and t.state == "running") == with_takes
