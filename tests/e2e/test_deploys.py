@@ -26,7 +26,6 @@ from sqlalchemy import select
 from celery_resilient.core import messages
 from celery_resilient.core.identity import Owner
 from celery_resilient.core.states import DONE, EXPIRED, REVOKED, TERMINAL_STATES
-from celery_resilient.store.records import WorkInfo
 from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.services import ThrowawayPostgres
@@ -79,17 +78,6 @@ def _assert_no_overlap(effects: EffectLog, key: str) -> list[list[dict[str, Any]
     return runs
 
 
-def _finished(project: Project, key: str) -> WorkInfo:
-    """The work's row once it left ``running``: a stored result's ``done`` is committed by
-    the worker's main process with its next statement, a few milliseconds after Celery
-    stored SUCCESS (docs/reliability.md), so a caller's ``get()`` may return first."""
-    def finished() -> WorkInfo | None:
-        row = project.store.get_work(key)
-        return row if row is not None and row.state != "running" else None
-
-    return wait_for(finished, 10, f"{key} to leave running in the store")
-
-
 def _steps(effects: EffectLog, key: str) -> dict[int, int]:
     counts: dict[int, int] = {}
     for e in effects.entries("step"):
@@ -139,7 +127,7 @@ def test_sigterm_hands_running_work_to_another_worker(make_project: Callable[...
     assert runs[1][0]["ts"] - runs[0][-1]["ts"] < 5, "the hand-off took more than a few seconds"
     assert runs[1][0]["pid"] in staying.process.children()
     assert _steps(effect_log, key) == {i: 1 for i in range(steps)}, "a step ran twice or never"
-    row = _finished(project, key)
+    row = project.store.get_work(key)
     assert row is not None and (row.state, row.deaths, row.attempts) == ("done", 0, 2)
     assert f"handed off work {key}" in stopping.process.all_logs()
     print(f"stopping worker exited {took:.1f}s after SIGTERM; resumed at step {handed_at}")
@@ -164,7 +152,7 @@ def test_sigterm_to_a_lone_worker_then_restart_resumes(make_project: Callable[..
     runs = _assert_no_overlap(effect_log, key)
     assert len(runs) == 2 and runs[1][0]["at"] >= 8
     assert _steps(effect_log, key) == {i: 1 for i in range(steps)}
-    row = _finished(project, key)
+    row = project.store.get_work(key)
     assert row is not None and (row.state, row.deaths) == ("done", 0)
 
 
@@ -187,7 +175,7 @@ def test_two_live_workers_with_one_node_name_never_take_each_others_work(
         runs = _assert_no_overlap(effect_log, key)
         assert len(runs) == 1, f"{key} started {len(runs)} times"
         assert _steps(effect_log, key) == {i: 1 for i in range(steps)}
-        row = _finished(project, key)
+        row = project.store.get_work(key)
         assert row is not None and (row.state, row.deaths, row.republished) == ("done", 0, 0)
     logs = first.process.all_logs() + second.process.all_logs()
     assert "ANOTHER LIVE WORKER USES THE NODE NAME" in logs
@@ -230,7 +218,7 @@ def test_store_outage_longer_than_the_lease_takes_no_live_claim(
         # that resumes: at most one step per resumed execution, nothing else.
         again = [i for i, n in counts.items() if n > 1]
         assert all(counts[i] == 2 for i in again) and len(again) <= len(runs) - 1, counts
-        row = _finished(project, key)
+        row = project.store.get_work(key)
         assert row is not None and row.state == "done"
     # Checkpoint progress resets the counters: the logs are the witness. A claim taken from
     # its owner is re-published "was running/reserved"; one whose execution re-sent itself
@@ -272,7 +260,7 @@ def test_a_claim_running_nowhere_on_a_live_worker_is_let_go_and_runs(
     assert client.AsyncResult(key).get(timeout=60) == {"steps": 4}
     runs = _assert_no_overlap(effect_log, key)
     assert len(runs) == 1 and runs[0][0]["at"] == 0
-    row = _finished(project, key)
+    row = project.store.get_work(key)
     assert row is not None and (row.state, row.deaths) == ("done", 0)
     assert f"work {key} requeued: its execution ended without an outcome" in (
         worker.process.all_logs())

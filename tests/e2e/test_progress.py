@@ -71,6 +71,5 @@ def test_progress_is_visible_through_async_result_and_resumes_after_sigkill(
     assert result.state == "SUCCESS"
     counts = effect_log.counts()
     assert [counts[f"item:{task_id}:{i}"] for i in range(TOTAL)] == [1, 1, 1, 1]
-    # done is committed by the worker's main process with its next statement, a few ms
-    # after Celery stored SUCCESS (docs/reliability.md): get() may return first
-    wait_for(lambda: project.state(task_id) == "done", 10, "the store's done")
+    row = project.store.get_work(task_id)
+    assert row is not None and row.state == "done"
