@@ -26,11 +26,6 @@ Points, in the order a task reaches them:
     a pool process handed its result to the main process (``tasks/handed_results.py``), which has
     not committed it: a whole-worker kill loses it, and the copy runs the body again (store
     effects once).
-``after_success_handed``
-    a pool process handed its result to the main process and Celery stored SUCCESS in the
-    result backend (a ``task_success`` receiver, connected only when kill points are
-    armed); the main process may not have committed ``done``: a whole-worker kill leaves
-    the claim open, and the copy must end as told (record the stored result, run nothing).
 ``after_failed``
     the body raised and ``failed`` is committed, Celery not yet told (no FAILURE stored, no
     errback run, no chord part counted): the redelivered copy must replay the failure.
@@ -80,7 +75,7 @@ ONCE_ENV = "RESILIENT_KILL_ONCE"
 SCOPE_ENV = "RESILIENT_KILL_SCOPE"
 POINTS = ("before_ack", "after_failed", "after_checkpoint", "after_step", "after_effect",
           "before_chord_count", "before_success_stored", "before_chord_body_sent",
-          "after_batch_take", "after_finish_handed", "after_success_handed", "mid_prune")
+          "after_batch_take", "after_finish_handed", "mid_prune")
 
 
 def parse(spec: str | None) -> dict[str, int]:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, NoReturn
 
-from celery import signals as celery_signals
 from celery import states
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import ResultBase
@@ -37,17 +36,6 @@ from celery_resilient.tasks import canvas, handed_claims, handed_results, replay
 from celery_resilient.tasks.headers import STORE_RETRIES_HEADER, SUPERSEDES_HEADER, header
 
 log = logging.getLogger(__name__)
-
-
-def _success_stored(sender: Any = None, **_: Any) -> None:
-    """Kill point ``after_success_handed``: Celery stored SUCCESS of a result this pool
-    process handed to the group commit, which may not have committed it yet."""
-    if getattr(getattr(sender, "request", None), "resilient_finish_handed", False):
-        killpoints.reached("after_success_handed")
-
-
-if killpoints.ARMED:  # tests only: no receiver in production
-    celery_signals.task_success.connect(_success_stored, weak=False)
 
 
 class ClaimedRun:
@@ -123,19 +111,18 @@ class ClaimedRun:
                                  flushed=not self.task.execution.handed)
         if killpoints.ARMED:
             if handed_over:
-                self.task.request.resilient_finish_handed = True  # for after_success_handed
                 killpoints.reached("after_finish_handed")
             if not handed_over or killpoints.SCOPE == "process":
                 killpoints.reached("before_ack")  # else in the main process, once committed
 
     def _hand_finish(self, result_json: str) -> bool:
         """Hand the result to the main process's group commit (``tasks/handed_results.py``): only
-        a claim it handed and surely still this worker's, for a request with no canvas
-        (what Celery sends after such a body relies on ``done`` first). A result Celery then
-        stores may be read before ``done`` commits; a copy after a kill in between ends as
-        told (:meth:`end_as_told`)."""
+        a claim it handed and surely still this worker's, for a request whose result nobody
+        is told (no result stored: the store's ``done`` still comes before any SUCCESS a
+        caller can read) and with no canvas."""
         task, x = self.task, self.task.execution
         return (x.handed and handed_claims.still_own(x.handed_generation)
+                and not result_backend.stores_results(task)
                 and not canvas.has_canvas(task.request)
                 and handed_results.hand(self.work_key, self.epoch, result_json))
 

@@ -9,6 +9,9 @@ the pool process goes on to the next body without a round trip.
 
 Only the plain case goes this way; everything else finishes in the pool process as before:
 
+- a task whose result is stored (a result backend, ``ignore_result`` off): Celery stores
+  SUCCESS right after the body, and a caller who reads it must find the work ``done`` in
+  the store too, as before;
 - a request with a canvas (links, errbacks, a chain, a chord, a group): what Celery does
   after the body relies on ``done`` being committed first (docs/guarantees.md, section 6);
 - a claim handed in an earlier generation, or while this worker's lease is not surely its
@@ -19,11 +22,9 @@ Only the plain case goes this way; everything else finishes in the pool process 
 
 The relaxed ordering: Celery acknowledges nothing before the commit (the acknowledgement
 waits for it in the main process), but a whole-worker SIGKILL between the hand-over and the
-commit loses the result. The redelivered copy finds the claim open: if Celery stored
-SUCCESS meanwhile (a caller may have read it), the copy records that result and runs
-nothing; otherwise it runs the body again, its store effects exactly once (steps, the ledger
-and checkpoints are fenced and committed by the body itself); docs/architecture.md has the
-argument.
+commit loses the result: the redelivered copy finds the claim open and runs the body again.
+Store effects stay exactly once (steps, the ledger and checkpoints are fenced and committed
+by the body itself); docs/architecture.md has the argument.
 """
 
 from __future__ import annotations

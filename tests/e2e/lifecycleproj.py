@@ -167,13 +167,11 @@ def _stops_and_limits(task: Define, ran: Ran) -> None:
     """Outcomes decided outside the body: revoke, expires, time limits."""
 
     @task("sleeper")
-    def sleeper(self: ResumableTask, seconds: float, gate: str | None = None,
-                pad: int = 0) -> str:
-        """Sleeps ``seconds`` (or until ``gate`` exists): keeps a concurrency-1 worker busy.
-        ``pad`` lengthens the result (past 4 KB the pool process finishes its own claim)."""
+    def sleeper(self: ResumableTask, seconds: float, gate: str | None = None) -> str:
+        """Sleeps ``seconds`` (or until ``gate`` exists): keeps a concurrency-1 worker busy."""
         ran(self)
         _sleep_until(seconds, gate)
-        return "slept" + "." * pad
+        return "slept"
 
     @task("expiring", expires=3)
     def expiring(self: ResumableTask) -> str:

@@ -15,7 +15,6 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_resilient.core import codec
 from celery_resilient.store.sql import Store
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.nodes import LocalWorker
@@ -207,58 +206,6 @@ def test_a_result_handed_over_and_lost_with_its_worker_runs_again_with_effects_o
     assert steps == [("a", 1), ("b", 1), ("c", 1)], f"each step's effect once: {steps}"
     row = env.store.get_work(key)
     assert row is not None and (row.state, row.epoch) == ("done", 2)
-
-
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
-def test_a_stored_result_handed_over_and_lost_before_celery_stored_it_runs_again_once(
-        make_env: Callable[..., Env], broker: str, redis_url: str, amqp_url: str,
-        tmp_path: Path, effect_log: EffectLog) -> None:
-    """The group commit with a result backend: the whole worker dies after the pool process
-    handed its result over and before Celery stored SUCCESS. Nobody was told, so the copy
-    runs the body again (store effects once), and the caller is told the copy's result,
-    once."""
-    env = make_env(redis_url if broker == "redis" else amqp_url)
-    env.store.migrate()
-    env.extra = {"result_backend": redis_url}
-    backend = Celery("told-client", backend=redis_url, set_as_current=False).backend
-    _, key = _killed_at_then_done(env, tmp_path, "after_finish_handed", "steps", 0.0,
-                                  task_id=f"handed-stored-{broker}")
-    starts = [e["epoch"] for e in effect_log.entries() if e["effect"] == "start"]
-    steps = [(e["step"], e["epoch"]) for e in effect_log.entries() if e["effect"] == "step"]
-    assert starts == [1, 2], f"the body ran again after the lost result: {starts}"
-    assert steps == [("a", 1), ("b", 1), ("c", 1)], f"each step's effect once: {steps}"
-    row = env.store.get_work(key)
-    assert row is not None and (row.state, row.epoch) == ("done", 2)
-    wait_for(lambda: backend.get_task_meta(key, cache=False)["status"] == "SUCCESS", 30,
-             "the copy's SUCCESS")
-    told = backend.get_task_meta(key, cache=False)["result"]
-    assert codec.decode(row.result_json) == told
-
-
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
-def test_a_result_told_before_the_group_commit_and_lost_runs_nothing_again(
-        make_env: Callable[..., Env], broker: str, redis_url: str, amqp_url: str,
-        tmp_path: Path, effect_log: EffectLog) -> None:
-    """The window a stored result on the group commit opens: Celery stored SUCCESS (the
-    caller may have read it) and the whole worker died before its main process committed
-    ``done``. The claim is still open; the copy finds SUCCESS in the result backend and
-    records that result as ``done`` without running the body again."""
-    env = make_env(redis_url if broker == "redis" else amqp_url)
-    env.store.migrate()
-    env.extra = {"result_backend": redis_url}
-    backend = Celery("told-client", backend=redis_url, set_as_current=False).backend
-    worker, key = _killed_at_then_done(env, tmp_path, "after_success_handed", "steps", 0.0,
-                                       task_id=f"told-then-killed-{broker}")
-    starts = [e["epoch"] for e in effect_log.entries() if e["effect"] == "start"]
-    steps = [(e["step"], e["epoch"]) for e in effect_log.entries() if e["effect"] == "step"]
-    assert starts == [1], f"the body ran again after SUCCESS was told: {starts}"
-    assert steps == [("a", 1), ("b", 1), ("c", 1)], steps
-    meta = backend.get_task_meta(key, cache=False)
-    assert meta["status"] == "SUCCESS"
-    row = env.store.get_work(key)
-    assert row is not None and row.state == "done"
-    assert codec.decode(row.result_json) == meta["result"]
-    assert "the caller was already told SUCCESS" in worker.process.logs()
 
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])

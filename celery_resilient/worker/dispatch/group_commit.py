@@ -1,7 +1,7 @@
 """The group commit: results pool processes hand over, committed by the next statement.
 
-A pool process that ran a claim handed by the batched takes, for a request with no canvas,
-writes the result to a pipe (:mod:`celery_resilient.tasks.handed_results`) instead
+A pool process that ran a claim handed by the batched takes, for a task whose result is not
+stored, writes the result to a pipe (:mod:`celery_resilient.tasks.handed_results`) instead
 of committing ``done`` itself. The dispatcher's thread collects them here and every statement
 it makes (a batch of takes, or one of their own) carries every result not yet committed: one
 statement and one WAL flush for many results, before their acknowledgements.
