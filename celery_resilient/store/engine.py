@@ -59,13 +59,73 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
+#: MySQL session settings of every store connection (see _mysql_engine).
+MYSQL_SESSION = "SET time_zone = '+00:00'"
+
+
+def _mysql_engine(url: str, autocommit: bool) -> Engine:
+    """A MySQL/MariaDB engine (``mysql+pymysql://``, ``mysql+mysqldb://``).
+
+    - ``READ COMMITTED``, not InnoDB's default ``REPEATABLE READ``: every store transaction
+      is a few statements that lock the rows they change (fenced writes, takes, ``SKIP
+      LOCKED`` sweeps). Under ``REPEATABLE READ`` a locking read or an UPDATE by a
+      non-unique index (``state``, ``lease_expires_at``, ``task_id``) also takes gap and
+      next-key locks, so two sweepers or a sweep and a receipt deadlock on rows neither
+      needs; under ``READ COMMITTED`` only matched rows are locked, and a plain read sees
+      the latest commit, as on PostgreSQL (the same snapshot semantics the store's
+      statements were written for).
+    - pool pre-ping: MySQL ends idle sessions after ``wait_timeout`` (8 h by default) and
+      a proxy may drop them sooner; the ping is a protocol COM_PING, not a statement.
+    - ``utf8mb4``, whatever the server's default (``utf8``/``utf8mb3`` cannot store every
+      character a task name, key or JSON payload may hold).
+    - the session time zone is UTC (``MYSQL_SESSION``), so ``UNIX_TIMESTAMP(NOW(6))``
+      (``Dialect.now``) is exact at a daylight-saving change.
+
+    ``autocommit``: connections in autocommit for good (single-statement transactions).
+    """
+    from celery_resilient.store.dialect import check_server  # noqa: PLC0415 - below dialect
+
+    parsed = make_url(url)
+    query = dict(parsed.query)
+    query.setdefault("charset", "utf8mb4")
+    engine = create_engine(parsed.set(query=query),
+                           isolation_level="AUTOCOMMIT" if autocommit else "READ COMMITTED",
+                           pool_pre_ping=True, pool_size=2 if autocommit else 5,
+                           max_overflow=3 if autocommit else 5,
+                           connect_args=_mysql_connect_args(url))
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        check_server(engine.dialect)
+        cur = dbapi_conn.cursor()
+        cur.execute(MYSQL_SESSION)
+        cur.close()
+
+    return engine
+
+
+def _mysql_connect_args(url: str) -> dict[str, Any]:
+    """Bounds on a connection that stops answering (as PARTITION_TIMEOUTS on PostgreSQL):
+    a connect within 5 s; a read or write on the socket within 60 s unless the URL sets
+    them. A statement that waits for a row lock longer is ended by the server first
+    (``innodb_lock_wait_timeout``, 50 s by default), and retried as transient."""
+    parsed = make_url(url)
+    args: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 60, "write_timeout": 60}
+    return {k: v for k, v in args.items() if k not in parsed.query}
+
+
 def build_engine(url: str, autocommit: bool = False) -> Engine:
-    """``autocommit``: a PostgreSQL engine whose connections stay in autocommit for good, for
+    """``autocommit``: an engine whose connections stay in autocommit for good, for
     statements that are each their own transaction (take, finish): no isolation level set
     and reset around every statement, no rollback on return to the pool."""
     try:
-        if make_url(url).get_backend_name() == "sqlite":
+        backend = make_url(url).get_backend_name()
+        if backend == "sqlite":
             return _sqlite_engine(url)
+        if backend in ("mysql", "mariadb"):
+            engine = _mysql_engine(url, autocommit)
+            deadlines.install(engine)
+            return engine
         if autocommit:
             engine = create_engine(url, pool_size=2, max_overflow=3,
                                    isolation_level="AUTOCOMMIT", pool_reset_on_return=None,
@@ -83,7 +143,7 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
         raise ConfigurationError(
             f"resilient_store_url={sanitize_url(url)!r} names a database driver that is not "
             f"installed or does not exist ({exc}); e.g. install the postgres extra for "
-            "postgresql+psycopg://"
+            "postgresql+psycopg://, the mysql extra for mysql+pymysql://"
         ) from None
 
 

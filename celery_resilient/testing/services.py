@@ -33,9 +33,11 @@ def drop_prefixed_tables(url: str, prefix: str) -> None:
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
+            quote = conn.dialect.identifier_preparer.quote_identifier
+            cascade = " CASCADE" if conn.dialect.name == "postgresql" else ""
             for name in inspect(conn).get_table_names():
                 if name.startswith(prefix):
-                    conn.execute(text(f'DROP TABLE IF EXISTS "{name}" CASCADE'))
+                    conn.execute(text(f"DROP TABLE IF EXISTS {quote(name)}{cascade}"))
     finally:
         engine.dispose()
 
