@@ -25,6 +25,7 @@ from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
 from celery_resilient.store.guard import drop, guarded, server_gone
 from celery_resilient.store.hot import HotStatements
+from celery_resilient.store.hot_mysql import MySQLHotStatements
 from celery_resilient.store.schema import build_tables
 
 
@@ -39,7 +40,8 @@ class Database:
         self._autocommit = EngineHolder(url, autocommit=True)  # PostgreSQL: single()
         self.dialect = Dialect(make_url(url).get_backend_name())
         self.t = build_tables(table_prefix)
-        self._hot = HotStatements(self.t, self.dialect)
+        self._hot = (MySQLHotStatements if self.dialect.is_mysql else HotStatements)(
+            self.t, self.dialect)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -76,9 +78,11 @@ class Database:
 
         On PostgreSQL it runs in autocommit: the statement is its own transaction, one round
         trip instead of three (statement, then COMMIT; no separate BEGIN). SQLite takes the
-        normal writing transaction.
+        normal writing transaction, and so does MySQL: there a hot statement that returns
+        what it wrote is an UPDATE and a read of the row it locked (no ``UPDATE ...
+        RETURNING``), which must share one transaction (:mod:`.hot_mysql`).
         """
-        if self.dialect.is_sqlite:
+        if self.dialect.is_sqlite or self.dialect.is_mysql:
             with self.begin() as conn:
                 yield conn
             return

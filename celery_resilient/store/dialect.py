@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, literal_column
+from sqlalchemy import Connection, Table, literal_column, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql import visitors
+from sqlalchemy.sql.elements import ClauseElement, ColumnClause, ColumnElement
 
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.store.transient import mysql_errno
@@ -33,6 +34,10 @@ class Dialect:
 
     def __init__(self, name: str) -> None:
         name = ALIASES.get(name, name)
+        if name in UNFINISHED and name not in _allowed:
+            raise ConfigurationError(
+                f"resilient_store_url uses the {name!r} dialect, which this version does not "
+                f"support yet (its store is not complete); supported: {', '.join(SUPPORTED)}")
         if name not in SUPPORTED and name not in _allowed:
             raise ConfigurationError(
                 f"resilient_store_url uses the {name!r} dialect; supported: {', '.join(SUPPORTED)}"
@@ -51,6 +56,14 @@ class Dialect:
     @property
     def returns_from_update(self) -> bool:
         """Whether ``UPDATE ... RETURNING`` exists (not on MySQL, nor on MariaDB)."""
+        return not self.is_mysql
+
+    @property
+    def batches_takes(self) -> bool:
+        """Whether the worker's main process may take claims in batches and group-commit
+        results (``store/batched_takes.py``): not on MySQL, whose batched statement is not
+        ported (every take is then the pool process's own, as with
+        ``resilient_batched_takes = False``)."""
         return not self.is_mysql
 
     def now(self) -> ColumnElement[float]:
@@ -77,22 +90,50 @@ class Dialect:
             return _MySQLInsert(table)
         return postgresql.insert(table)
 
-    def insert_if_absent(self, conn: Connection, stmt: Any) -> bool:
+    def insert_if_absent(self, conn: Connection, stmt: Any,
+                         params: dict[str, Any] | None = None) -> bool:
         """Run ``stmt`` (an ``INSERT ... ON CONFLICT DO NOTHING``, one row); True if it
         inserted. One round trip on every dialect: ``RETURNING`` on SQLite and PostgreSQL; on
         MySQL, whose affected-row count cannot tell an insert from a no-op duplicate under
         ``CLIENT_FOUND_ROWS``, the plain INSERT and its duplicate-key error (InnoDB rolls
         back the statement only, never the transaction around it)."""
         if not self.is_mysql:
-            return conn.execute(stmt.returning(*stmt.table.primary_key.columns)
-                                ).first() is not None
+            return conn.execute(stmt.returning(*stmt.table.primary_key.columns),
+                                params).first() is not None
         try:
-            conn.execute(stmt.plain())
+            conn.execute(stmt.plain(), params)
         except IntegrityError as exc:
             if mysql_errno(exc) == ER_DUP_ENTRY:
                 return False
             raise
         return True
+
+    def update_returning(self, conn: Connection, stmt: Any, key: ColumnElement[bool],
+                         *columns: Any) -> Any:
+        """Run ``stmt`` (an UPDATE of at most one row, whose primary key ``key`` tests) and
+        return ``columns`` of the row it changed, or None when it matched none.
+
+        MySQL has no ``UPDATE ... RETURNING``: the row is read back by its key after the
+        UPDATE, in the same transaction (``conn`` must be in one, never autocommitted). The
+        UPDATE holds the row's lock until commit, so the read sees exactly what this
+        statement wrote; two round trips where PostgreSQL needs one."""
+        if not self.is_mysql:
+            return conn.execute(stmt.returning(*columns)).first()
+        if conn.execute(stmt).rowcount != 1:
+            return None
+        return conn.execute(select(*columns).where(key)).first()
+
+    def chosen(self, conn: Connection, choice: Any) -> Any:
+        """What ``column.in_(...)`` gets for the rows a locking ``choice`` selects.
+
+        The subquery itself on PostgreSQL and SQLite (one statement). MySQL refuses a
+        ``LIMIT`` in an ``IN`` subquery and a subquery of the table being changed: there the
+        choice runs first (its ``FOR UPDATE`` holds the rows until commit, so they still
+        match when they are changed) and its values are listed."""
+        if not self.is_mysql:
+            return choice
+        rows = conn.execute(choice).all()
+        return [tuple(r) if len(r) > 1 else r[0] for r in rows]
 
     def lock_kwargs(self) -> dict[str, Any]:
         """Arguments for ``with_for_update`` so concurrent sweepers skip each other's rows."""
@@ -111,10 +152,10 @@ class _MySQLInsert(mysql.Insert):
     """A MySQL INSERT that accepts the PostgreSQL conflict clauses the query modules write.
 
     ``ON DUPLICATE KEY UPDATE`` assigns left to right and each assignment sees the columns
-    already assigned (PostgreSQL's ``DO UPDATE`` sees the old row throughout): a ``set_``
-    whose expressions read a column it also assigns must assign that column last. Every
-    ``set_`` of the store is written that way (the receipt assigns ``state`` after every
-    column that tests it).
+    already assigned (PostgreSQL's ``DO UPDATE`` sees the old row throughout), so
+    :meth:`on_conflict_do_update` assigns a column that other assignments read after them
+    (the receipt tests ``state`` in every assignment and also assigns it), and refuses a
+    ``set_`` where two assignments read each other's column.
     """
 
     inherit_cache = True
@@ -137,11 +178,30 @@ class _MySQLInsert(mysql.Insert):
                               where: Any = None) -> Any:
         if where is not None:
             raise NotImplementedError("ON DUPLICATE KEY UPDATE has no WHERE")
-        return self.on_duplicate_key_update(dict(set_))
+        return self.on_duplicate_key_update(_old_row_first(self.table, dict(set_)))
 
     def plain(self) -> Any:
         """This INSERT without its conflict clause (``Dialect.insert_if_absent``)."""
         return self if self._resilient_plain is None else self._resilient_plain
+
+
+def _old_row_first(table: Any, set_: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The assignments of ``set_`` in an order where each reads the row as it was."""
+    def reads(value: Any) -> set[str]:
+        if not isinstance(value, ClauseElement):
+            return set()
+        return {c.name for c in visitors.iterate(value)
+                if isinstance(c, ColumnClause) and c.table is table}
+
+    read_by_others = {name: set().union(*(reads(v) for n, v in set_.items() if n != name))
+                      for name in set_}
+    late = [n for n in set_ if n in read_by_others[n]]
+    for a in late:
+        for b in late:
+            if a != b and a in reads(set_[b]) and b in reads(set_[a]):
+                raise ValueError(f"assignments of {a} and {b} read each other's column: "
+                                 "no order gives both the old row on MySQL")
+    return [(n, set_[n]) for n in set_ if n not in late] + [(n, set_[n]) for n in late]
 
 
 def allow_unfinished(name: str) -> None:

@@ -89,10 +89,11 @@ class Incarnations(Database):
         wk = self.t.workers
         now = self.dialect.now()
         with self.single() as conn:
-            stopped = conn.execute(
-                update(wk).where(wk.c.incarnation == owner.incarnation)
-                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds)
-                .returning(wk.c.stopped_at)).first()
+            this = wk.c.incarnation == owner.incarnation
+            stopped = self.dialect.update_returning(
+                conn, update(wk).where(this)
+                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds),
+                this, wk.c.stopped_at)
             if stopped is None:  # the row was pruned: record it again
                 conn.execute(self.dialect.insert(wk).values(
                     incarnation=owner.incarnation, node=owner.node, pid=owner.pid,
@@ -154,7 +155,7 @@ class Incarnations(Database):
         """Whether the store's own database sees ``owner``'s liveness lock held: if not, the
         lock is on another database or server (``resilient_liveness_url`` misconfigured)
         and every probe from the store would prove ``owner`` dead while it lives."""
-        if self.dialect.is_sqlite:
+        if self.dialect.name != "postgresql":  # MySQL: no liveness lock yet
             return False
         with self.reading() as conn:
             seen = liveness.held_in_this_database(
@@ -178,7 +179,7 @@ class Incarnations(Database):
         """Other incarnations whose liveness lock a probe may take: not stopped, their lease
         not yet over (a probe is to beat it), holding a lock taken on this server start
         (PostgreSQL), quiet for ``stale_seconds``."""
-        if self.dialect.is_sqlite:
+        if self.dialect.name != "postgresql":  # MySQL: no liveness lock yet
             return []
         wk = self.t.workers
         with self.reading() as conn:
@@ -205,7 +206,7 @@ class Incarnations(Database):
         ``SESSION_ALIVE``: another session holds the lock. ``UNJUDGED``: no proof either way
         (no lock recorded, a server restarted since, SQLite, already stopped, or this very
         backend holds the lock: a pooler in transaction mode)."""
-        if self.dialect.is_sqlite:
+        if self.dialect.name != "postgresql":  # MySQL: no liveness lock yet
             return UNJUDGED
         wk = self.t.workers
         key = liveness.lock_key(self.prefix, incarnation)
@@ -263,6 +264,10 @@ class Incarnations(Database):
         if self.dialect.is_sqlite:
             return None
         with self.reading() as conn:
-            value = conn.exec_driver_sql(
-                "SELECT EXTRACT(EPOCH FROM now() - pg_postmaster_start_time())").scalar_one()
+            if self.dialect.is_mysql:
+                value = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'Uptime'").one()[1]
+            else:
+                value = conn.exec_driver_sql(
+                    "SELECT EXTRACT(EPOCH FROM now() - pg_postmaster_start_time())"
+                ).scalar_one()
         return float(value)

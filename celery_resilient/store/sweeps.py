@@ -223,7 +223,7 @@ class Sweeps(Database):
                 .where(w.c.state.in_(OPEN_STATES), gone, w.c.handed_to.is_(None))
                 .order_by(w.c.created_at)
                 .limit(limit)
-                .with_for_update(of=w, **self.dialect.lock_kwargs())
+                .with_for_update(**self.dialect.lock_of(w), **self.dialect.lock_kwargs())
             ).all()
             orphans: list[Orphan] = []
             for r in rows:
