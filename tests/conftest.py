@@ -108,7 +108,7 @@ def table_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def _uses_mariadb(request: pytest.FixtureRequest) -> bool:
     callspec = getattr(request.node, "callspec", None)
-    return callspec is not None and callspec.params.get("store_url") == "mariadb"
+    return callspec is not None and "mariadb" in callspec.params.values()
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "mariadb"])

@@ -33,6 +33,7 @@ from celery_resilient.core.states import (
 from celery_resilient.core.take import Delivery, IsLive, TakeDecision, TakeRow, decide_take
 from celery_resilient.errors import StoreUnavailable
 from celery_resilient.store.batched_takes import BatchedTakes, Finish, Started, TakeRequest
+from celery_resilient.store.batched_takes_mysql import MySQLBatchedTakes
 from celery_resilient.store.checkpoint_compat import (
     RowView,
     checkpoint_to_resume,
@@ -59,7 +60,8 @@ class Claims(Incarnations):
 
     def __init__(self, url: str, table_prefix: str = "resilient_") -> None:
         super().__init__(url, table_prefix)
-        self._batched = BatchedTakes(self.t, self.dialect)
+        self._batched: BatchedTakes | MySQLBatchedTakes = (
+            MySQLBatchedTakes if self.dialect.is_mysql else BatchedTakes)(self.t, self.dialect)
 
     # -- claims -----------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ cannot slip in between the check and the write; on SQLite ``BEGIN IMMEDIATE`` se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +27,19 @@ from celery_resilient.store.guard import drop, guarded, server_gone
 from celery_resilient.store.hot import HotStatements
 from celery_resilient.store.hot_mysql import MySQLHotStatements
 from celery_resilient.store.schema import build_tables
+
+
+@contextmanager
+def _then(conn: Connection, after: Callable[[Connection], None] | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if after is not None and not conn.invalidated:
+            try:
+                after(conn)
+                conn.rollback()
+            except DBAPIError:
+                drop(conn)  # the session ends, and what it held with it
 
 
 class Database:
@@ -114,8 +127,13 @@ class Database:
                 raise
 
     @contextmanager
-    def begin(self) -> Iterator[Connection]:
+    def begin(self, after: Callable[[Connection], None] | None = None
+              ) -> Iterator[Connection]:
         """One transaction; also used for the user's own writes (``Ledger.atomic``).
+
+        ``after(conn)`` runs on the same session once the transaction ended, committed or
+        not (a MySQL named lock taken inside it is released there: it is the session's,
+        not the transaction's); a connection lost by then ended the session anyway.
 
         A failure at COMMIT has an unknown outcome (the commit may have landed before the
         reply was lost): a transient or connection error there is :class:`StoreUnavailable`,
@@ -123,7 +141,7 @@ class Database:
         already committed a transaction.
         """
         conn = self._connect()
-        with conn:
+        with conn, _then(conn, after):
             try:
                 yield conn
             except BaseException as exc:

@@ -59,12 +59,12 @@ class Dialect:
         return not self.is_mysql
 
     @property
-    def batches_takes(self) -> bool:
-        """Whether the worker's main process may take claims in batches and group-commit
-        results (``store/batched_takes.py``): not on MySQL, whose batched statement is not
-        ported (every take is then the pool process's own, as with
-        ``resilient_batched_takes = False``)."""
-        return not self.is_mysql
+    def group_commits(self) -> bool:
+        """Whether the worker's main process commits the results its pool processes hand
+        over, and defers acknowledgements to a flush (``worker/dispatch/``): PostgreSQL
+        only. Elsewhere each pool process finishes its own work (batched takes still
+        run: ``store/batched_takes.py``, ``store/batched_takes_mysql.py``)."""
+        return self.name == "postgresql"
 
     def now(self) -> ColumnElement[float]:
         """The database's wall clock in float seconds: leases never trust a worker's clock."""

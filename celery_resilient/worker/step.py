@@ -109,12 +109,10 @@ def settle_predecessors(rt: Runtime, owner: Owner) -> None:
 
 def _batched_dispatch(rt: Runtime, owner: Owner, worker: Any) -> BatchedDispatch | None:
     """Batched takes for a prefork pool on Celery's event loop (``resilient_batched_takes``);
-    other pools (solo, threads, gevent, eventlet), and any pool on a MySQL store, take
-    claims in the task."""
+    other pools (solo, threads, gevent, eventlet) take claims in the task."""
     hub = getattr(worker, "hub", None)
     pool_module = type(getattr(worker, "pool", None)).__module__
-    if not rt.config.batched_takes or not rt.store.dialect.batches_takes or hub is None \
-            or pool_module != "celery.concurrency.prefork":
+    if not rt.config.batched_takes or hub is None or pool_module != "celery.concurrency.prefork":
         return None
     dispatch = BatchedDispatch(rt, owner)  # the consumer attaches it to its event loop
     dispatch.start()
@@ -140,8 +138,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.hostname: str | None = None
         super().__init__(worker, **kwargs)
         rt = Runtime.enabled_on(worker.app)
-        if rt is not None and rt.config.batched_takes and rt.store.dialect.batches_takes \
-                and not rt.store.dialect.is_sqlite:
+        if rt is not None and rt.config.batched_takes and rt.store.dialect.group_commits:
             # before the pool forks (this step starts after it): the pool processes inherit
             # the pipe they hand their results through (tasks/handed_results.py)
             handed_results.open_channel()
@@ -175,8 +172,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # a warm shutdown drains the jobs already written to pool processes (an upstream bug)
         pool_drain.keep_written_jobs(getattr(worker, "pool", None))
         log.info("celery-resilient: batched_takes=%s", "on" if self.dispatch is not None else
-                 "off (resilient_batched_takes, a MySQL store, or not a prefork pool on the "
-                 "event loop)",
+                 "off (resilient_batched_takes, or not a prefork pool on the event loop)",
                  extra={"action": "startup"})
         celery_signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(self._on_shutdown, weak=False)
