@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from celery_resilient.store import dialect
 from celery_resilient.store.sql import Store
 from celery_resilient.testing.services import drop_prefixed_tables
 
@@ -70,10 +69,6 @@ def _per_runner(runner: str) -> None:
 
 if RUNNER:
     _per_runner(RUNNER)
-
-# The MySQL/MariaDB store is not offered to users until its port is complete; the suite
-# tests it all the same (store/dialect.py).
-dialect.allow_unfinished("mysql")
 
 
 @pytest.fixture

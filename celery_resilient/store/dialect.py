@@ -13,12 +13,7 @@ from sqlalchemy.sql.elements import ClauseElement, ColumnClause, ColumnElement
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.store.transient import mysql_errno
 
-SUPPORTED = ("sqlite", "postgresql")
-#: Dialects whose port is not finished: refused like any other unless a test run opts in
-#: with :func:`allow_unfinished` (the store's own test suite), so nothing half-works for a
-#: user. See docs/store.md for what remains.
-UNFINISHED = ("mysql",)
-_allowed: set[str] = set()
+SUPPORTED = ("sqlite", "postgresql", "mysql")
 #: SQLAlchemy names MariaDB ``mariadb`` when the URL says so (``mariadb+pymysql://``); it is
 #: the same protocol and SQL as ``mysql`` for everything the store does.
 ALIASES = {"mariadb": "mysql"}
@@ -34,11 +29,7 @@ class Dialect:
 
     def __init__(self, name: str) -> None:
         name = ALIASES.get(name, name)
-        if name in UNFINISHED and name not in _allowed:
-            raise ConfigurationError(
-                f"resilient_store_url uses the {name!r} dialect, which this version does not "
-                f"support yet (its store is not complete); supported: {', '.join(SUPPORTED)}")
-        if name not in SUPPORTED and name not in _allowed:
+        if name not in SUPPORTED:
             raise ConfigurationError(
                 f"resilient_store_url uses the {name!r} dialect; supported: {', '.join(SUPPORTED)}"
             )
@@ -202,13 +193,6 @@ def _old_row_first(table: Any, set_: dict[str, Any]) -> list[tuple[str, Any]]:
                 raise ValueError(f"assignments of {a} and {b} read each other's column: "
                                  "no order gives both the old row on MySQL")
     return [(n, set_[n]) for n in set_ if n not in late] + [(n, set_[n]) for n in late]
-
-
-def allow_unfinished(name: str) -> None:
-    """Internal: accept the unfinished dialect ``name`` in this process (tests only)."""
-    if name not in UNFINISHED:
-        raise ValueError(f"{name!r} is not an unfinished dialect")
-    _allowed.add(name)
 
 
 def check_server(dialect: Any) -> None:

@@ -19,6 +19,7 @@ from sqlalchemy.exc import DisconnectionError, NoSuchModuleError
 
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.store import deadlines
+from celery_resilient.store.dialect import check_server
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "resilient_write"
@@ -83,8 +84,6 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
 
     ``autocommit``: connections in autocommit for good (single-statement transactions).
     """
-    from celery_resilient.store.dialect import check_server  # noqa: PLC0415 - below dialect
-
     parsed = make_url(url)
     query = dict(parsed.query)
     query.setdefault("charset", "utf8mb4")
