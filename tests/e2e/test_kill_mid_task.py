@@ -129,6 +129,8 @@ def test_mariadb_store_survives_sigkill(mariadb_project: Project,
     worker = project.worker(concurrency=2)
     key = project.send("ingest", ROWS, DELAY, task_id="ingest-mariadb")
     wait_for(lambda: _checkpointed(project, key) >= 5, 30, "5 checkpointed rows")
+    logs = worker.process.logs()
+    assert "liveness=session" in logs and "batched_takes=on" in logs, logs[-3000:]
     worker.kill("SIGKILL")
     saved = _checkpointed(project, key)
     assert project.state(key) == "running"
