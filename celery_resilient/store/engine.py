@@ -62,6 +62,8 @@ def _sqlite_engine(url: str) -> Engine:
 
 #: MySQL session settings of every store connection (see _mysql_engine).
 MYSQL_SESSION = "SET time_zone = '+00:00'"
+#: The isolation of a session whose statements autocommit (the engine sets the others').
+MYSQL_AUTOCOMMIT_ISOLATION = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 
 
 def _mysql_engine(url: str, autocommit: bool) -> Engine:
@@ -98,6 +100,8 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
         check_server(engine.dialect)
         cur = dbapi_conn.cursor()
         cur.execute(MYSQL_SESSION)
+        if autocommit:  # its single statements lock as the transactions do (no gap locks)
+            cur.execute(MYSQL_AUTOCOMMIT_ISOLATION)
         cur.close()
 
     return engine

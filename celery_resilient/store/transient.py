@@ -129,15 +129,17 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
-    """A short name for the error, with its SQLSTATE: ``deadlock detected (SQLSTATE 40P01)``."""
+    """A short name for the error, with its SQLSTATE: ``deadlock detected (SQLSTATE 40P01)``;
+    a MySQL error by its number (its SQLSTATEs are coarser: a deadlock is ``40001``, a lock
+    wait timeout ``HY000``)."""
+    errno = mysql_errno(exc)
+    if errno is not None and (errno in MYSQL_RETRYABLE or errno in MYSQL_LOST):
+        return f"{MYSQL_RETRYABLE.get(errno) or MYSQL_LOST[errno]} (MySQL error {errno})"
     code = sqlstate(exc)
     if code is not None:
         name = RETRYABLE_SQLSTATES.get(code) or LOST_SQLSTATES.get(code) or (
             "connection exception" if code.startswith("08") else "database error")
         return f"{name} (SQLSTATE {code})"
-    errno = mysql_errno(exc)
-    if errno is not None and (errno in MYSQL_RETRYABLE or errno in MYSQL_LOST):
-        return f"{MYSQL_RETRYABLE.get(errno) or MYSQL_LOST[errno]} (MySQL error {errno})"
     busy = _sqlite_busy(exc)
     if busy is not None:
         return busy

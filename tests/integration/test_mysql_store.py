@@ -1,0 +1,114 @@
+"""What only the MySQL/MariaDB store has to get right: its sessions' settings, and InnoDB's
+lock conflicts treated as transient (re-run in place, never a task's failure). The contract
+itself runs on MariaDB with every other dialect (``test_store_contract.py``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.exc import DBAPIError
+
+from celery_resilient.store import transient
+from celery_resilient.store.sql import Store
+from celery_resilient.testing.services import drop_prefixed_tables
+from celery_resilient.testing.waiting import wait_for
+
+from .helpers import owner, started
+
+
+@pytest.fixture
+def my_store(mysql_url: str, table_prefix: str) -> Iterator[Store]:
+    s = Store(mysql_url, table_prefix)
+    s.migrate()
+    yield s
+    s.dispose()
+    drop_prefixed_tables(mysql_url, table_prefix)
+
+
+@pytest.fixture
+def other(mysql_url: str) -> Iterator[Engine]:
+    """Connections of a concurrent client (another worker, the user's own application)."""
+    engine = create_engine(mysql_url)
+    yield engine
+    engine.dispose()
+
+
+def test_every_store_session_is_utc_read_committed_utf8mb4(my_store: Store) -> None:
+    for engine in my_store.engines:
+        with engine.connect() as conn:
+            row = conn.execute(text("SELECT @@time_zone, @@tx_isolation, "
+                                    "@@character_set_client")).one()
+            conn.rollback()
+        assert tuple(row) == ("+00:00", "READ-COMMITTED", "utf8mb4"), engine
+
+
+def test_a_lock_wait_timeout_is_run_again_in_place(my_store: Store, other: Engine,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A row another transaction holds past ``innodb_lock_wait_timeout`` (1205) is a
+    transient conflict: the heartbeat runs again once the holder lets go, and succeeds."""
+    me = started(my_store, owner())
+
+    @event.listens_for(my_store.engine, "connect")
+    def _short_waits(dbapi_conn: object, _record: object) -> None:
+        cur = dbapi_conn.cursor()  # type: ignore[attr-defined]
+        cur.execute("SET SESSION innodb_lock_wait_timeout = 1")
+        cur.close()
+
+    my_store.engine.dispose()  # the pool's connections get the setting
+    wk = my_store.t.workers
+    caplog.set_level(logging.INFO, logger="celery_resilient.store.guard")
+    holder = other.connect()
+    holder.execute(text(f"SELECT 1 FROM {wk.name} WHERE incarnation = :i FOR UPDATE"),
+                   {"i": me.incarnation})
+
+    def release_after_the_first_rerun() -> None:
+        wait_for(lambda: any(getattr(r, "action", None) == "store_rerun"
+                             for r in caplog.records), 30, "a re-run")
+        holder.rollback()
+
+    releaser = threading.Thread(target=release_after_the_first_rerun)
+    releaser.start()
+    try:
+        assert my_store.heartbeat(me, 30) is True
+    finally:
+        releaser.join(30)
+        holder.close()
+    reruns = [r for r in caplog.records if getattr(r, "action", None) == "store_rerun"]
+    assert reruns and "lock wait timeout (MySQL error 1205)" in reruns[0].getMessage()
+
+
+def test_a_deadlock_innodb_breaks_is_retryable(my_store: Store, other: Engine) -> None:
+    """Two transactions locking two rows in opposite orders: InnoDB rolls one back (1213),
+    which the store classifies as retryable (its operations run it again in place)."""
+    for key in ("a", "b"):
+        my_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", owner(), 30)
+    w = my_store.t.work.name
+    lock = text(f"UPDATE {w} SET attempts = attempts + 1 WHERE work_key = :k")
+    first, second = other.connect(), other.connect()
+    first.execute(lock, {"k": "a"})
+    second.execute(lock, {"k": "b"})
+    errors: list[BaseException] = []
+
+    def cross(conn: object, key: str) -> None:
+        try:
+            conn.execute(lock, {"k": key})  # type: ignore[attr-defined]
+        except DBAPIError as exc:
+            errors.append(exc)
+            conn.rollback()  # type: ignore[attr-defined]
+
+    thread = threading.Thread(target=cross, args=(first, "b"))
+    thread.start()
+    cross(second, "a")
+    thread.join(30)
+    first.rollback()
+    second.rollback()
+    first.close()
+    second.close()
+    assert len(errors) == 1, errors
+    assert transient.mysql_errno(errors[0]) == 1213
+    assert transient.is_retryable(errors[0]) and transient.is_transient(errors[0])
+    assert transient.describe(errors[0]) == "deadlock found (MySQL error 1213)"
