@@ -247,7 +247,7 @@ class Claims(Incarnations):
         """
         if not takes and not started and not finishes:
             return {}, set()
-        if self.dialect.is_sqlite:
+        if self.dialect.is_sqlite or self.dialect.is_mysql:  # a transaction of statements
             with self.begin() as conn:
                 rows, finished = self._batched.run(conn, takes, started, owner.node,
                                                    owner.incarnation, lease_seconds,

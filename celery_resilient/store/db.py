@@ -89,13 +89,13 @@ class Database:
     def single(self) -> Iterator[Connection]:
         """A connection for exactly one atomic write statement.
 
-        On PostgreSQL it runs in autocommit: the statement is its own transaction, one round
-        trip instead of three (statement, then COMMIT; no separate BEGIN). SQLite takes the
-        normal writing transaction, and so does MySQL: there a hot statement that returns
-        what it wrote is an UPDATE and a read of the row it locked (no ``UPDATE ...
-        RETURNING``), which must share one transaction (:mod:`.hot_mysql`).
+        On PostgreSQL and MySQL it runs in autocommit: the statement is its own transaction,
+        one round trip instead of three (statement, then COMMIT; no separate BEGIN). On
+        MySQL a statement that returns what it wrote is sent with the read of its row inside
+        a transaction of its own, in the same packet (:mod:`.hot_mysql`); any other write
+        that reads back must use :meth:`begin`. SQLite takes the normal writing transaction.
         """
-        if self.dialect.is_sqlite or self.dialect.is_mysql:
+        if self.dialect.is_sqlite:
             with self.begin() as conn:
                 yield conn
             return
@@ -121,8 +121,10 @@ class Database:
                 yield conn
             except BaseException as exc:
                 # (One an interrupt left mid-statement is refused at its next checkout:
-                # engine._refuse_unfinished.)
-                if server_gone(exc):
+                # engine._refuse_unfinished.) MySQL's pool sends no rollback and has no
+                # such check: a connection that raised anything may be mid-reply, or hold a
+                # transaction a statement began (hot_mysql), and is never lent again.
+                if server_gone(exc) or self.dialect.is_mysql:
                     drop(conn)
                 raise
 

@@ -77,23 +77,47 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
       needs; under ``READ COMMITTED`` only matched rows are locked, and a plain read sees
       the latest commit, as on PostgreSQL (the same snapshot semantics the store's
       statements were written for).
-    - pool pre-ping: MySQL ends idle sessions after ``wait_timeout`` (8 h by default) and
-      a proxy may drop them sooner; the ping is a protocol COM_PING, not a statement.
+    - pool pre-ping on the transactional engine: MySQL ends idle sessions after
+      ``wait_timeout`` (8 h by default) and a proxy may drop them sooner; the ping is a
+      protocol COM_PING, not a statement. Not on the autocommit engine of the per-task
+      statements, where it would double their round trips: as on PostgreSQL, a stale
+      connection fails on use and the call runs once more on a fresh one (``guarded``), and
+      no rollback is sent when a connection goes back to the pool (a connection that
+      raised anything there is dropped instead: ``Database._autocommitted``).
     - ``utf8mb4``, whatever the server's default (``utf8``/``utf8mb3`` cannot store every
       character a task name, key or JSON payload may hold).
     - the session time zone is UTC (``MYSQL_SESSION``), so ``UNIX_TIMESTAMP(NOW(6))``
       (``Dialect.now``) is exact at a daylight-saving change.
 
-    ``autocommit``: connections in autocommit for good (single-statement transactions).
+    ``autocommit``: connections in autocommit for good (single-statement transactions),
+    which may also send several statements in one packet (``CLIENT_MULTI_STATEMENTS``): the
+    take sends its UPDATE, the read of the row it locked and the COMMIT as one round trip
+    (:mod:`.hot_mysql`). Only the store's own statements run there, every value bound.
     """
     parsed = make_url(url)
     query = dict(parsed.query)
     query.setdefault("charset", "utf8mb4")
     engine = create_engine(parsed.set(query=query),
                            isolation_level="AUTOCOMMIT" if autocommit else "READ COMMITTED",
-                           pool_pre_ping=True, pool_size=2 if autocommit else 5,
+                           pool_pre_ping=not autocommit,
+                           pool_reset_on_return=None if autocommit else "rollback",
+                           pool_size=2 if autocommit else 5,
                            max_overflow=3 if autocommit else 5,
-                           connect_args=_mysql_connect_args(url))
+                           connect_args=_mysql_connect_args(url, autocommit))
+
+    if autocommit:
+        rollback = engine.dialect.do_rollback
+
+        def do_rollback(dbapi_conn: Any) -> None:
+            # SQLAlchemy rolls back every connection it closes; PyMySQL sends that ROLLBACK
+            # even in autocommit, a round trip per hot statement for nothing. The server's
+            # status in the last reply says whether a transaction is open (a local read).
+            status = getattr(dbapi_conn, "server_status", None)
+            if isinstance(status, int) and not status & SERVER_STATUS_IN_TRANS:
+                return
+            rollback(dbapi_conn)
+
+        engine.dialect.do_rollback = do_rollback  # type: ignore[method-assign,assignment]
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -107,14 +131,27 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
     return engine
 
 
-def _mysql_connect_args(url: str) -> dict[str, Any]:
+#: MySQL protocol capability flags (the same for PyMySQL and mysqlclient): matched rather
+#: than changed rows as an UPDATE's count (SQLAlchemy's MySQL dialects always ask for it),
+#: and several statements in one packet.
+CLIENT_FOUND_ROWS = 2
+CLIENT_MULTI_STATEMENTS = 1 << 16
+#: The server-status bit of a reply sent inside a transaction.
+SERVER_STATUS_IN_TRANS = 1
+
+
+def _mysql_connect_args(url: str, autocommit: bool = False) -> dict[str, Any]:
     """Bounds on a connection that stops answering (as PARTITION_TIMEOUTS on PostgreSQL):
     a connect within 5 s; a read or write on the socket within 60 s unless the URL sets
     them. A statement that waits for a row lock longer is ended by the server first
     (``innodb_lock_wait_timeout``, 50 s by default), and retried as transient."""
     parsed = make_url(url)
     args: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 60, "write_timeout": 60}
-    return {k: v for k, v in args.items() if k not in parsed.query}
+    args = {k: v for k, v in args.items() if k not in parsed.query}
+    if autocommit:  # given here, the flags replace the dialect's: FOUND_ROWS kept
+        args["client_flag"] = (int(str(parsed.query.get("client_flag", 0))) | CLIENT_FOUND_ROWS
+                               | CLIENT_MULTI_STATEMENTS)
+    return args
 
 
 def build_engine(url: str, autocommit: bool = False) -> Engine:

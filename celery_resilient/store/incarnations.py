@@ -96,7 +96,8 @@ class Incarnations(Database):
         """
         wk = self.t.workers
         now = self.dialect.now()
-        with self.single() as conn:
+        # MySQL: the renewal and the read of its row share a transaction (no RETURNING)
+        with (self.begin() if self.dialect.is_mysql else self.single()) as conn:
             this = wk.c.incarnation == owner.incarnation
             stopped = self.dialect.update_returning(
                 conn, update(wk).where(this)
