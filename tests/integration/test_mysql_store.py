@@ -8,6 +8,7 @@ import logging
 import threading
 from collections.abc import Iterator
 
+import pymysql.connections
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError
@@ -17,7 +18,7 @@ from celery_resilient.store.sql import Store
 from celery_resilient.testing.services import drop_prefixed_tables
 from celery_resilient.testing.waiting import wait_for
 
-from .helpers import owner, started
+from .helpers import owner, run, started
 
 
 @pytest.fixture
@@ -112,3 +113,35 @@ def test_a_deadlock_innodb_breaks_is_retryable(my_store: Store, other: Engine) -
     assert transient.mysql_errno(errors[0]) == 1213
     assert transient.is_retryable(errors[0]) and transient.is_transient(errors[0])
     assert transient.describe(errors[0]) == "deadlock found (MySQL error 1213)"
+
+
+def test_the_per_task_statements_are_one_round_trip_each(
+        my_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on PostgreSQL: the take (its UPDATE, the read of its row and COMMIT in one packet),
+    a checkpoint save and the finish each cost one command to the server, counted at the
+    driver on a pooled connection (the counter wraps PyMySQL's command, it changes nothing)."""
+    me = started(my_store, owner())
+    for key in ("warm", "k"):
+        my_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", me, 30)
+    warm = run(my_store, "warm", me, task_id="tid-warm")  # the autocommit pool connects
+    my_store.finish("warm", warm.epoch, None)
+    sent: list[str] = []
+    command = pymysql.connections.Connection._execute_command
+
+    def counted(self: object, cmd: int, sql: object) -> object:
+        sent.append(sql.decode() if isinstance(sql, bytes) else str(sql))
+        return command(self, cmd, sql)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", counted)
+    claim = run(my_store, "k", me, task_id="tid-k")
+    assert len(sent) == 1 and sent[0].startswith("START TRANSACTION; UPDATE"), sent
+    sent.clear()
+    assert my_store.save_checkpoint("k", claim.epoch, '{"row": 1}') == 1
+    assert len(sent) == 1, sent
+    sent.clear()
+    my_store.finish("k", claim.epoch, '"ok"')
+    assert len(sent) == 1, sent
+    monkeypatch.undo()
+    row = my_store.get_work("k")
+    assert row is not None and (row.state, row.epoch, row.result_json) == ("done", 1, '"ok"')
+    assert my_store.load_checkpoint("k") == ('{"row": 1}', 1)
