@@ -17,8 +17,11 @@ that commit. What differs from PostgreSQL:
   session's ``wait_timeout`` to ``SERVER_DETECTS_AFTER``, so the server ends a session whose
   client went silent that many seconds after its last ping (it pings every
   ``PING_SECONDS``), the bound the self-fencing guard relies on, as on PostgreSQL.
-- **The server start** is the current time less ``Uptime``, both whole seconds: two reads
-  may differ by one second, so a lock's server is the same within ``SAME_SERVER_WITHIN``.
+- **The server start** is the current time less ``Uptime``, both whole seconds (two reads
+  may differ by one second), plus a fraction that names the node (its host name, port and
+  ``server_id``): named locks are local to one server, also in a cluster (Galera, Group
+  Replication), so a probe on another node must never count as a probe of the holder's,
+  even if both nodes started within the same second (:func:`same_server`).
 - **A pooler** that multiplexes sessions (ProxySQL) pins a session that took a named lock;
   a probe that finds the lock held by its own connection refuses to prove anything, as on
   PostgreSQL.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, text
@@ -39,8 +43,11 @@ from celery_resilient.store.engine import MYSQL_SESSION, sanitize_url
 
 log = logging.getLogger(__name__)
 
-#: Two server starts within this many seconds are the same start (see the module docstring).
-SAME_SERVER_WITHIN = 2.0
+#: Two reads of one server's start differ by at most this many whole seconds.
+SAME_SERVER_WITHIN = 1
+#: Distinct node fractions (see :func:`server_start`): two nodes of one cluster share one
+#: with a chance of 1 in NODE_FRACTIONS (and then only if they started in the same second).
+NODE_FRACTIONS = 997
 
 
 def lock_name(key: int) -> str:
@@ -49,16 +56,22 @@ def lock_name(key: int) -> str:
 
 
 def same_server(a: float, b: float) -> bool:
-    return abs(a - b) < SAME_SERVER_WITHIN
+    """Whether two :func:`server_start` reads name one start of one node: the same node
+    fraction, whole seconds apart by at most ``SAME_SERVER_WITHIN``."""
+    apart = abs(a - b)
+    return round(apart) <= SAME_SERVER_WITHIN and abs(apart - round(apart)) < 1e-4
 
 
 def server_start(conn: Connection) -> float:
-    """This server's start, in seconds since the epoch (changes at a restart or failover)."""
+    """This server's start in whole seconds since the epoch (changes at a restart or
+    failover), plus this node's fraction of a second (:data:`NODE_FRACTIONS`)."""
     table = ("information_schema.GLOBAL_STATUS" if getattr(conn.dialect, "is_mariadb", False)
              else "performance_schema.global_status")
-    return float(conn.exec_driver_sql(
-        f"SELECT UNIX_TIMESTAMP() - VARIABLE_VALUE FROM {table} "
-        "WHERE VARIABLE_NAME = 'Uptime'").scalar_one())
+    row = conn.exec_driver_sql(
+        f"SELECT UNIX_TIMESTAMP() - VARIABLE_VALUE, @@hostname, @@port, @@server_id "
+        f"FROM {table} WHERE VARIABLE_NAME = 'Uptime'").one()
+    node = zlib.crc32(f"{row[1]}:{row[2]}:{row[3]}".encode()) % NODE_FRACTIONS
+    return float(int(row[0])) + node / 1000
 
 
 def held_by_this_backend(conn: Connection, key: int) -> bool:

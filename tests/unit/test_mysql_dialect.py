@@ -11,6 +11,7 @@ from sqlalchemy.dialects import mysql
 
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.store.dialect import Dialect, check_server
+from celery_resilient.store.liveness_mysql import same_server
 
 
 @pytest.mark.parametrize(("version", "mariadb", "ok"), [
@@ -59,3 +60,13 @@ def test_assignments_that_read_each_other_are_refused() -> None:
             "state": case((t.c.owner == "x", "r"), else_=t.c.state),
             "owner": case((t.c.state == "r", "y"), else_=t.c.owner),
         })
+
+
+def test_a_server_start_names_one_node_within_a_second() -> None:
+    """Two reads of one node's start differ by whole seconds (Uptime ticks apart from the
+    clock); another node's fraction, or a restart, is another server."""
+    start = 1_796_582_278 + 0.421
+    assert same_server(start, start) and same_server(start + 1, start)
+    assert not same_server(start + 2, start), "a restart"
+    assert not same_server(start + 0.001, start), "another node started the same second"
+    assert not same_server(start - 3600, start)
