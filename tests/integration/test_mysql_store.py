@@ -5,11 +5,13 @@ itself runs on MariaDB with every other dialect (``test_store_contract.py``)."""
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Iterator
 
 import pymysql.connections
 import pytest
+from billiard.exceptions import SoftTimeLimitExceeded
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError
 
@@ -145,3 +147,25 @@ def test_the_per_task_statements_are_one_round_trip_each(
     row = my_store.get_work("k")
     assert row is not None and (row.state, row.epoch, row.result_json) == ("done", 1, '"ok"')
     assert my_store.load_checkpoint("k") == ('{"row": 1}', 1)
+
+
+def _interrupt(*_: object) -> None:
+    raise SoftTimeLimitExceeded()  # from a signal handler, as billiard raises it
+
+
+@pytest.mark.parametrize("path", ["begin", "single", "reading"])
+def test_an_interrupt_mid_statement_reaches_the_caller_and_no_reply_is_served_twice(
+        my_store: Store, path: str) -> None:
+    """A soft time limit raised while PyMySQL waits for a reply: the caller sees it, and the
+    connection left mid-reply never answers another call (the next ones read their own)."""
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(SoftTimeLimitExceeded), getattr(my_store, path)() as conn:
+            conn.execute(text("SELECT SLEEP(2)"))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    for n in range(4):
+        with getattr(my_store, path)() as conn:
+            assert conn.execute(text("SELECT :n"), {"n": n}).scalar_one() == n
