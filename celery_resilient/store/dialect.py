@@ -45,11 +45,6 @@ class Dialect:
         return self.name == "mysql"
 
     @property
-    def returns_from_update(self) -> bool:
-        """Whether ``UPDATE ... RETURNING`` exists (not on MySQL, nor on MariaDB)."""
-        return not self.is_mysql
-
-    @property
     def group_commits(self) -> bool:
         """Whether the worker's main process commits the results its pool processes hand
         over, and defers acknowledgements to a flush (``worker/dispatch/``): PostgreSQL
@@ -62,11 +57,13 @@ class Dialect:
         if self.is_sqlite:
             return literal_column("((julianday('now') - 2440587.5) * 86400.0)")
         if self.is_mysql:
-            # UNIX_TIMESTAMP of NOW(6) converts back through the session time zone, which the
-            # engine sets to UTC on every connection (engine._mysql_session): under a zone
-            # with daylight saving, the repeated hour would map to two instants. + 0e0 makes
-            # it a DOUBLE (it is a DECIMAL(..., 6) otherwise).
-            return literal_column("(UNIX_TIMESTAMP(NOW(6)) + 0e0)")
+            # Microseconds from the epoch to UTC_TIMESTAMP(6), as a DOUBLE: independent of
+            # the session's time zone (UNIX_TIMESTAMP(NOW(6)) goes through it, and a zone
+            # with daylight saving repeats an hour), and valid past 2038-01-19, where
+            # UNIX_TIMESTAMP gives NULL on MariaDB before 11.5.
+            return literal_column(
+                "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) "
+                "/ 1000000e0)")
         return literal_column("CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)")
 
     def insert(self, table: Table) -> Any:
@@ -133,9 +130,9 @@ class Dialect:
         return {"skip_locked": True}
 
     def lock_of(self, table: Table) -> dict[str, Any]:
-        """``with_for_update(of=...)`` where the dialect has it: MariaDB has no ``OF``
-        (it locks every table the SELECT reads; the subqueries here read rows nobody
-        locks long)."""
+        """``with_for_update(of=...)`` where the dialect has it. MariaDB has no ``OF``, and
+        needs none: InnoDB locks the rows of the outer table only, not those a subquery
+        reads without a locking clause of its own."""
         return {} if self.is_mysql else {"of": table}
 
 
@@ -184,15 +181,17 @@ def _old_row_first(table: Any, set_: dict[str, Any]) -> list[tuple[str, Any]]:
         return {c.name for c in visitors.iterate(value)
                 if isinstance(c, ColumnClause) and c.table is table}
 
-    read_by_others = {name: set().union(*(reads(v) for n, v in set_.items() if n != name))
-                      for name in set_}
-    late = [n for n in set_ if n in read_by_others[n]]
-    for a in late:
-        for b in late:
-            if a != b and a in reads(set_[b]) and b in reads(set_[a]):
-                raise ValueError(f"assignments of {a} and {b} read each other's column: "
-                                 "no order gives both the old row on MySQL")
-    return [(n, set_[n]) for n in set_ if n not in late] + [(n, set_[n]) for n in late]
+    # x must come before y when x's expression reads y's column (y would be new already)
+    before = {y: {x for x in set_ if x != y and y in reads(set_[x])} for y in set_}
+    order: list[str] = []
+    while len(order) < len(set_):
+        ready = [n for n in set_ if n not in order and before[n] <= set(order)]
+        if not ready:
+            left = sorted(n for n in set_ if n not in order)
+            raise ValueError(f"assignments of {', '.join(left)} read each other's column: "
+                             "no order gives each the old row on MySQL")
+        order.extend(ready)
+    return [(n, set_[n]) for n in order]
 
 
 def check_server(dialect: Any) -> None:

@@ -86,8 +86,9 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
       raised anything there is dropped instead: ``Database._autocommitted``).
     - ``utf8mb4``, whatever the server's default (``utf8``/``utf8mb3`` cannot store every
       character a task name, key or JSON payload may hold).
-    - the session time zone is UTC (``MYSQL_SESSION``), so ``UNIX_TIMESTAMP(NOW(6))``
-      (``Dialect.now``) is exact at a daylight-saving change.
+    - the session time zone is UTC (``MYSQL_SESSION``): the store's clock does not depend
+      on it (``Dialect.now`` reads ``UTC_TIMESTAMP(6)``), but any date a statement or an
+      operator's query derives from it is then UTC, as on the other dialects.
 
     ``autocommit``: connections in autocommit for good (single-statement transactions),
     which may also send several statements in one packet (``CLIENT_MULTI_STATEMENTS``): the

@@ -70,3 +70,15 @@ def test_a_server_start_names_one_node_within_a_second() -> None:
     assert not same_server(start + 2, start), "a restart"
     assert not same_server(start + 0.001, start), "another node started the same second"
     assert not same_server(start - 3600, start)
+
+
+def test_a_chain_of_reads_is_assigned_readers_first() -> None:
+    t = _table()
+    ins = Dialect("mysql").insert(t).values(k="a", state="r", owner="me", n=1)
+    stmt = ins.on_conflict_do_update(index_elements=[t.c.k], set_={
+        "n": case((t.c.owner == "x", 0), else_=t.c.n),  # reads owner
+        "state": case((t.c.state == "r", "s"), else_=t.c.state),
+        "owner": case((t.c.state == "r", "y"), else_=t.c.owner),  # reads state
+    })
+    update = str(stmt.compile(dialect=mysql.dialect())).split("ON DUPLICATE KEY UPDATE", 1)[1]
+    assert update.index(" n = ") < update.index(", owner = ") < update.index(", state = ")
