@@ -169,3 +169,23 @@ def test_an_interrupt_mid_statement_reaches_the_caller_and_no_reply_is_served_tw
     for n in range(4):
         with getattr(my_store, path)() as conn:
             assert conn.execute(text("SELECT :n"), {"n": n}).scalar_one() == n
+
+
+def test_statement_listeners_see_each_statement_of_the_take(my_store: Store) -> None:
+    """With a tracer listening (OpenTelemetry, Sentry), the take is sent statement by
+    statement inside its own transaction, so the tracer sees each one."""
+    seen: list[str] = []
+
+    def listen(_c: object, _cur: object, statement: str, *_: object) -> None:
+        seen.append(statement.split()[0])
+
+    for engine in my_store.engines:
+        event.listen(engine, "before_cursor_execute", listen)
+    me = started(my_store, owner())
+    my_store.record_receipt("k", "proj.task", "tid-k", None, "{}", me, 30)
+    seen.clear()
+    claim = run(my_store, "k", me, task_id="tid-k")
+    assert seen == ["START", "UPDATE", "SELECT", "COMMIT"] and claim.epoch == 1
+    row = my_store.get_work("k")
+    assert row is not None and (row.state, row.epoch, row.incarnation) == (
+        "running", 1, me.incarnation)
