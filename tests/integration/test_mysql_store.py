@@ -177,7 +177,7 @@ def test_statement_listeners_see_each_statement_of_the_take(my_store: Store) -> 
     seen: list[str] = []
 
     def listen(_c: object, _cur: object, statement: str, *_: object) -> None:
-        seen.append(statement.split()[0])
+        seen.append(statement.split(maxsplit=1)[0])
 
     for engine in my_store.engines:
         event.listen(engine, "before_cursor_execute", listen)
