@@ -17,7 +17,7 @@ that commit. What differs from PostgreSQL:
   session's ``wait_timeout`` to ``SERVER_DETECTS_AFTER``, so the server ends a session whose
   client went silent that many seconds after its last ping (it pings every
   ``PING_SECONDS``), the bound the self-fencing guard relies on, as on PostgreSQL.
-- **The server start** is the current time less ``Uptime``, both whole seconds (two reads
+- **The server start** is the current UTC time less ``Uptime``, both whole seconds (two reads
   may differ by one second), plus a fraction that names the node (its host name, port and
   ``server_id``): named locks are local to one server, also in a cluster (Galera, Group
   Replication), so a probe on another node must never count as a probe of the holder's,
@@ -68,7 +68,8 @@ def server_start(conn: Connection) -> float:
     table = ("information_schema.GLOBAL_STATUS" if getattr(conn.dialect, "is_mariadb", False)
              else "performance_schema.global_status")
     row = conn.exec_driver_sql(
-        f"SELECT UNIX_TIMESTAMP() - VARIABLE_VALUE, @@hostname, @@port, @@server_id "
+        "SELECT TIMESTAMPDIFF(SECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP()) "
+        f"- VARIABLE_VALUE, @@hostname, @@port, @@server_id "
         f"FROM {table} WHERE VARIABLE_NAME = 'Uptime'").one()
     node = zlib.crc32(f"{row[1]}:{row[2]}:{row[3]}".encode()) % NODE_FRACTIONS
     return float(int(row[0])) + node / 1000
