@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -16,8 +18,8 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError
 
 from celery_resilient.store import transient
-from celery_resilient.store.sql import Store
-from celery_resilient.testing.services import drop_prefixed_tables
+from celery_resilient.store.sql import SESSION_ALIVE, UNJUDGED, Store
+from celery_resilient.testing.services import ThrowawayMariaDB, drop_prefixed_tables
 from celery_resilient.testing.waiting import wait_for
 
 from .helpers import owner, run, started
@@ -189,3 +191,51 @@ def test_statement_listeners_see_each_statement_of_the_take(my_store: Store) -> 
     row = my_store.get_work("k")
     assert row is not None and (row.state, row.epoch, row.incarnation) == (
         "running", 1, me.incarnation)
+
+
+HOLDER = """
+import sys, time
+from celery_resilient.store.liveness import session_lock
+lock = session_lock(sys.argv[1], sys.argv[2], sys.argv[3])
+print(lock.acquire(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_restart_frees_every_lock_and_proves_nothing(table_prefix: str) -> None:
+    """A restart (or a failover) frees every named lock: a lock taken before it proves
+    nothing (the recorded server start no longer matches), the pool's dead connections are
+    replaced on use, and the store says the server has just started. (Starts are known to
+    the second: a server restarted within 2 s of its previous start is not told apart, so
+    this one has run for 3 s first; docs/reliability.md.)"""
+    server = ThrowawayMariaDB().init()
+    server.start()
+    store = Store(server.url, table_prefix)
+    holder: subprocess.Popen[str] | None = None
+    try:
+        store.migrate()
+        me, other = owner("w@a"), owner("w@b")
+        for who in (me, other):
+            store.register(who, "", 30)
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, server.url, table_prefix,
+                                   other.incarnation], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None
+        store.record_liveness(other, float(holder.stdout.readline()))
+        assert store.prove_dead(other.incarnation) == SESSION_ALIVE
+        assert store.lock_suspects(me, 0) == [other.incarnation]
+        wait_for(lambda: (store.up_for() or 0) >= 3, 30, "the server's first 3 s")
+        server.stop_immediately()
+        server.start()
+        up = store.up_for()  # a pooled connection died with the server: replaced on use
+        assert up is not None and up < 60
+        assert store.lock_suspects(me, 0) == []
+        assert store.prove_dead(other.incarnation) == UNJUDGED, "a lock the restart freed"
+        assert run(store, "k", me).epoch == 1
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+            assert holder.stdout is not None
+            holder.stdout.close()
+        store.dispose()
+        server.destroy()
