@@ -77,13 +77,14 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
       needs; under ``READ COMMITTED`` only matched rows are locked, and a plain read sees
       the latest commit, as on PostgreSQL (the same snapshot semantics the store's
       statements were written for).
-    - pool pre-ping on the transactional engine: MySQL ends idle sessions after
-      ``wait_timeout`` (8 h by default) and a proxy may drop them sooner; the ping is a
-      protocol COM_PING, not a statement. Not on the autocommit engine of the per-task
-      statements, where it would double their round trips: as on PostgreSQL, a stale
-      connection fails on use and the call runs once more on a fresh one (``guarded``), and
-      no rollback is sent when a connection goes back to the pool (a connection that
-      raised anything there is dropped instead: ``Database._autocommitted``).
+    - no pool pre-ping, as on PostgreSQL: MySQL ends idle sessions after ``wait_timeout``
+      (8 h by default; a proxy may drop them sooner), and such a stale connection fails on
+      use, before its statement reached the server, so the call runs once more on a fresh
+      one (``guarded``). A pre-ping would cost a round trip per checkout and, sent before
+      the pool's checkout hook, escape the round-trip deadlines (:mod:`.deadlines`): a
+      silent server would hang it. The autocommit engine of the per-task statements also
+      sends no rollback when a connection goes back to the pool (a connection that raised
+      anything there is dropped instead: ``Database._autocommitted``).
     - ``utf8mb4``, whatever the server's default (``utf8``/``utf8mb3`` cannot store every
       character a task name, key or JSON payload may hold).
     - the session time zone is UTC (``MYSQL_SESSION``): the store's clock does not depend
@@ -100,7 +101,6 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
     query.setdefault("charset", "utf8mb4")
     engine = create_engine(parsed.set(query=query),
                            isolation_level="AUTOCOMMIT" if autocommit else "READ COMMITTED",
-                           pool_pre_ping=not autocommit,
                            pool_reset_on_return=None if autocommit else "rollback",
                            pool_size=2 if autocommit else 5,
                            max_overflow=3 if autocommit else 5,
