@@ -42,6 +42,8 @@ if os.environ.get("BENCH_RESILIENT", "0") == "1":
     app.conf.resilient_store_url = os.environ["BENCH_STORE_URL"]
     app.conf.resilient_table_prefix = os.environ.get("BENCH_TABLE_PREFIX", "resilient_")
     app.conf.resilient_reliable_fetch = os.environ.get("BENCH_RELIABLE_FETCH", "1") == "1"
+    # BENCH_BATCHED_TAKES=0: each pool process takes its own claims (compare the two)
+    app.conf.resilient_batched_takes = os.environ.get("BENCH_BATCHED_TAKES", "1") == "1"
     Resilient(app)
 
 

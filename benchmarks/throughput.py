@@ -81,6 +81,8 @@ class Mode:
     #: Published through a Resilient client app with resilient_durable_submit (the store
     #: records each submission before the broker has it)
     durable: bool = False
+    #: "0": resilient_batched_takes off (each pool process takes its own claims)
+    batched: str = "1"
     worker: Worker | None = None
     rates: list[float] = field(default_factory=list)
     publish_rates: list[float] = field(default_factory=list)
@@ -92,7 +94,10 @@ class Mode:
     def store_label(self) -> str:
         if self.store_url is None:
             return "none (plain Celery)"
-        label = "SQLite file" if self.store_url.startswith("sqlite") else "PostgreSQL"
+        label = ("SQLite file" if self.store_url.startswith("sqlite") else
+                 "MySQL/MariaDB" if self.store_url.startswith("mysql") else "PostgreSQL")
+        if self.batched == "0":
+            label += ", batched takes off"
         return (label + ("" if self.reliable_fetch == "1" else ", kombu's fetch")
                 + (", durable submit" if self.durable else ""))
 
@@ -121,7 +126,8 @@ class Bench:
         env = {"BENCH_BROKER": self.broker, "BENCH_QUEUE": mode.queue,
                "BENCH_RESILIENT": "1" if mode.store_url else "0",
                "BENCH_BODY_MS": str(self.body_ms), "BENCH_RELIABLE_FETCH": mode.reliable_fetch,
-               "BENCH_PREFETCH": str(self.prefetch), "BENCH_BACKEND": self.backend or ""}
+               "BENCH_PREFETCH": str(self.prefetch), "BENCH_BACKEND": self.backend or "",
+               "BENCH_BATCHED_TAKES": mode.batched}
         if mode.store_url:
             env |= {"BENCH_STORE_URL": mode.store_url, "BENCH_TABLE_PREFIX": mode.prefix}
             store = Store(mode.store_url, mode.prefix)
@@ -436,8 +442,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="worker_prefetch_multiplier of every mode's worker")
     parser.add_argument("--broker", default="redis://127.0.0.1:6379/13")
     parser.add_argument("--pg-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--mysql-url", default="mysql+pymysql://root@127.0.0.1:3306/test")
     parser.add_argument("--stores", default="sqlite,postgresql",
-                        help="comma-separated: sqlite, postgresql")
+                        help="comma-separated: sqlite, postgresql, mysql, mysql-unbatched "
+                             "(resilient_batched_takes off)")
     parser.add_argument("--compare-fetch", action="store_true",
                         help="also run each resumable mode with kombu's own Redis fetch "
                              "(resilient_reliable_fetch=False), in the same rotation")
@@ -504,6 +512,11 @@ def run_modes(args: argparse.Namespace, servers: OwnServers | None) -> int:
                           "resilient_"))
     if "postgresql" in stores:
         modes.append(Mode("resumable-postgresql", RESUMABLE, args.pg_url, f"bench{tag}_"))
+    if "mysql" in stores:
+        modes.append(Mode("resumable-mysql", RESUMABLE, args.mysql_url, f"bench{tag}_"))
+    if "mysql-unbatched" in stores:
+        modes.append(Mode("resumable-mysql-unbatched", RESUMABLE, args.mysql_url,
+                          f"bench{tag}u_", batched="0"))
     if args.compare_fetch:
         modes += [Mode(f"{m.name}-kombu-fetch", m.task, m.store_url,
                        m.prefix if m.store_url and m.store_url.startswith("sqlite")

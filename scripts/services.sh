@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start PostgreSQL, Redis and RabbitMQ when they are not answering (as this machine kind does),
+# Start PostgreSQL, MariaDB, Redis and RabbitMQ when they are not answering (as this machine kind does),
 # then wait until each answers. Safe to run when they already run.
 set -euo pipefail
 
@@ -17,6 +17,11 @@ if ! answers 5432; then
   echo "services: starting PostgreSQL"
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start
 fi
+if ! answers 3306; then
+  echo "services: starting MariaDB"
+  mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld 2>/dev/null || true
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
+fi
 if ! answers 6379; then
   echo "services: starting Redis"
   mkdir -p /var/lib/redis /var/log/redis
@@ -28,7 +33,9 @@ if ! answers 5672; then
   rabbitmq-server -detached
 fi
 wait_port PostgreSQL 5432 60
+wait_port MariaDB 3306 60
 wait_port Redis 6379 30
 wait_port RabbitMQ 5672 120
 until pg_isready -q -h 127.0.0.1 -p 5432; do sleep 0.5; done
-echo "services: PostgreSQL, Redis and RabbitMQ answer"
+until mysqladmin --host=127.0.0.1 --user=root ping >/dev/null 2>&1; do sleep 0.5; done
+echo "services: PostgreSQL, MariaDB, Redis and RabbitMQ answer"

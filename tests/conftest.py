@@ -21,6 +21,9 @@ pytest_plugins = ["celery_resilient.testing.plugin"]
 
 PG_URL = os.environ.get("RESILIENT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("RESILIENT_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+#: A MariaDB (or MySQL) database of the suite's own.
+MYSQL_URL = os.environ.get("RESILIENT_TEST_MYSQL_URL",
+                           "mysql+pymysql://root@127.0.0.1:3306/test")
 AMQP_URL = os.environ.get("RESILIENT_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 #: pytest-xdist's name for this process when the suite runs in parallel (``-n 3``: gw0, gw1,
@@ -74,6 +77,11 @@ def pg_url() -> str:
 
 
 @pytest.fixture
+def mysql_url() -> str:
+    return MYSQL_URL
+
+
+@pytest.fixture
 def redis_url() -> str:
     return REDIS_URL
 
@@ -84,18 +92,27 @@ def amqp_url() -> str:
 
 
 @pytest.fixture
-def table_prefix() -> Iterator[str]:
+def table_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh table prefix, so tests sharing the PostgreSQL database never see each other."""
     prefix = f"t{uuid.uuid4().hex[:10]}_"
     yield prefix
     drop_prefixed_tables(PG_URL, prefix)
+    if _uses_mariadb(request):
+        drop_prefixed_tables(MYSQL_URL, prefix)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+def _uses_mariadb(request: pytest.FixtureRequest) -> bool:
+    callspec = getattr(request.node, "callspec", None)
+    return callspec is not None and "mariadb" in callspec.params.values()
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
 def store_url(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str:
-    """Parametrises a test over both store dialects (the contract suite)."""
+    """Parametrises a test over every store dialect (the contract suite)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/store.sqlite3"
+    if request.param == "mariadb":
+        return MYSQL_URL
     return PG_URL
 
 

@@ -138,7 +138,7 @@ class ResilientConfig:
     def liveness_target(self) -> str | None:
         """The URL of the liveness session, or None when the proof is off or impossible."""
         url = self.liveness_url or self.store_url
-        if not self.session_liveness or not url.startswith("postgresql"):
+        if not self.session_liveness or not url.startswith(("postgresql", "mysql", "mariadb")):
             return None
         return url
 

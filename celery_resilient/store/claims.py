@@ -33,6 +33,7 @@ from celery_resilient.core.states import (
 from celery_resilient.core.take import Delivery, IsLive, TakeDecision, TakeRow, decide_take
 from celery_resilient.errors import StoreUnavailable
 from celery_resilient.store.batched_takes import BatchedTakes, Finish, Started, TakeRequest
+from celery_resilient.store.batched_takes_mysql import MySQLBatchedTakes
 from celery_resilient.store.checkpoint_compat import (
     RowView,
     checkpoint_to_resume,
@@ -59,7 +60,8 @@ class Claims(Incarnations):
 
     def __init__(self, url: str, table_prefix: str = "resilient_") -> None:
         super().__init__(url, table_prefix)
-        self._batched = BatchedTakes(self.t, self.dialect)
+        self._batched: BatchedTakes | MySQLBatchedTakes = (
+            MySQLBatchedTakes if self.dialect.is_mysql else BatchedTakes)(self.t, self.dialect)
 
     # -- claims -----------------------------------------------------------------------------
 
@@ -89,7 +91,7 @@ class Claims(Incarnations):
                  "node": owner.node, "inc": owner.incarnation, "lease": lease_seconds}
                 for r in unique.values()]
         with self.begin() as conn:
-            if not self.dialect.is_sqlite:
+            if self.dialect.name == "postgresql":
                 # A receipt is a hint the broker can always give again: it need not wait
                 # for the WAL flush. Claims, checkpoints and results always do.
                 conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
@@ -184,7 +186,7 @@ class Claims(Incarnations):
                    exists(owner_row.where(self._incarnation_live(lease_seconds)))
                    .label("owner_live"))
             .where(w.c.work_key == work_key)
-            .with_for_update(of=w)
+            .with_for_update(**self.dialect.lock_of(w))
         ).first()
         facts = None if row is None else TakeRow.of(row)
         decision = decide_take(
@@ -245,7 +247,7 @@ class Claims(Incarnations):
         """
         if not takes and not started and not finishes:
             return {}, set()
-        if self.dialect.is_sqlite:
+        if self.dialect.is_sqlite or self.dialect.is_mysql:  # a transaction of statements
             with self.begin() as conn:
                 rows, finished = self._batched.run(conn, takes, started, owner.node,
                                                    owner.incarnation, lease_seconds,
@@ -293,14 +295,17 @@ class Claims(Incarnations):
         ``flushed`` False (PostgreSQL): committed without waiting for the WAL flush, for a
         caller whose acknowledgement waits for :meth:`flush` (a worker's batched takes)."""
         self._close(work_key, epoch, DONE, result_json=result_json,
-                    statement="close" if flushed or self.dialect.is_sqlite else "close_unflushed")
+                    statement="close" if flushed or self.dialect.name != "postgresql"
+                    else "close_unflushed")
 
     @guarded
     def flush(self) -> None:
         """Return once every commit made before this call is durable: a commit that waits for
         the WAL flush (``txid_current()`` gives this one a commit record to wait for) covers
-        every earlier commit, those made without waiting included. SQLite: nothing to do."""
-        if self.dialect.is_sqlite:
+        every earlier commit, those made without waiting included. SQLite, and MySQL (whose
+        commits all wait for the redo log flush at ``innodb_flush_log_at_trx_commit = 1``,
+        the default): nothing to do."""
+        if self.dialect.name != "postgresql":
             return
         with self.single() as conn:
             conn.exec_driver_sql("SELECT txid_current()")

@@ -63,11 +63,10 @@ class ContextRows:
         stmt = (self.store.dialect.insert(c)
                 .values(key=key, version=1, data_json=data_json,
                         updated_at=self.store.dialect.now())
-                .on_conflict_do_nothing(index_elements=[c.c.key])
-                .returning(c.c.version))  # rowcount is unreliable here on psycopg 3
+                .on_conflict_do_nothing(index_elements=[c.c.key]))
         with self.store.begin() as conn:
             self._fence(conn, fence)
-            if conn.execute(stmt).scalar_one_or_none() is None:
+            if not self.store.dialect.insert_if_absent(conn, stmt):
                 current = self._version(conn, key)
                 raise ContextConflict(
                     f"context {key!r} already exists (version {current}); read it with get() "
@@ -89,14 +88,13 @@ class ContextRows:
             cond.append(c.c.version == expected_version)
         stmt = (update(c).where(*cond)
                 .values(version=c.c.version + 1, data_json=data_json,
-                        updated_at=self.store.dialect.now())
-                .returning(c.c.version))
+                        updated_at=self.store.dialect.now()))
         with self.store.begin() as conn:
             self._fence(conn, fence)
-            version = conn.execute(stmt).scalar_one_or_none()
-            if version is None:
+            row = self.store.dialect.update_returning(conn, stmt, c.c.key == key, c.c.version)
+            if row is None:
                 raise self._refusal(conn, key, expected_version, "updated")
-        return int(version)
+        return int(row.version)
 
     @guarded
     def delete(self, key: str, expected_version: int | None = None,

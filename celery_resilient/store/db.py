@@ -10,7 +10,7 @@ cannot slip in between the check and the write; on SQLite ``BEGIN IMMEDIATE`` se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,7 +25,21 @@ from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
 from celery_resilient.store.guard import drop, guarded, server_gone
 from celery_resilient.store.hot import HotStatements
+from celery_resilient.store.hot_mysql import MySQLHotStatements
 from celery_resilient.store.schema import build_tables
+
+
+@contextmanager
+def _then(conn: Connection, after: Callable[[Connection], None] | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if after is not None and not conn.invalidated:
+            try:
+                after(conn)
+                conn.rollback()
+            except DBAPIError:
+                drop(conn)  # the session ends, and what it held with it
 
 
 class Database:
@@ -39,7 +53,8 @@ class Database:
         self._autocommit = EngineHolder(url, autocommit=True)  # PostgreSQL: single()
         self.dialect = Dialect(make_url(url).get_backend_name())
         self.t = build_tables(table_prefix)
-        self._hot = HotStatements(self.t, self.dialect)
+        self._hot = (MySQLHotStatements if self.dialect.is_mysql else HotStatements)(
+            self.t, self.dialect)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -74,9 +89,11 @@ class Database:
     def single(self) -> Iterator[Connection]:
         """A connection for exactly one atomic write statement.
 
-        On PostgreSQL it runs in autocommit: the statement is its own transaction, one round
-        trip instead of three (statement, then COMMIT; no separate BEGIN). SQLite takes the
-        normal writing transaction.
+        On PostgreSQL and MySQL it runs in autocommit: the statement is its own transaction,
+        one round trip instead of three (statement, then COMMIT; no separate BEGIN). On
+        MySQL a statement that returns what it wrote is sent with the read of its row inside
+        a transaction of its own, in the same packet (:mod:`.hot_mysql`); any other write
+        that reads back must use :meth:`begin`. SQLite takes the normal writing transaction.
         """
         if self.dialect.is_sqlite:
             with self.begin() as conn:
@@ -104,14 +121,21 @@ class Database:
                 yield conn
             except BaseException as exc:
                 # (One an interrupt left mid-statement is refused at its next checkout:
-                # engine._refuse_unfinished.)
-                if server_gone(exc):
+                # engine._refuse_unfinished.) MySQL's pool sends no rollback and has no
+                # such check: a connection that raised anything may be mid-reply, or hold a
+                # transaction a statement began (hot_mysql), and is never lent again.
+                if server_gone(exc) or self.dialect.is_mysql:
                     drop(conn)
                 raise
 
     @contextmanager
-    def begin(self) -> Iterator[Connection]:
+    def begin(self, after: Callable[[Connection], None] | None = None
+              ) -> Iterator[Connection]:
         """One transaction; also used for the user's own writes (``Ledger.atomic``).
+
+        ``after(conn)`` runs on the same session once the transaction ended, committed or
+        not (a MySQL named lock taken inside it is released there: it is the session's,
+        not the transaction's); a connection lost by then ended the session anyway.
 
         A failure at COMMIT has an unknown outcome (the commit may have landed before the
         reply was lost): a transient or connection error there is :class:`StoreUnavailable`,
@@ -119,7 +143,7 @@ class Database:
         already committed a transaction.
         """
         conn = self._connect()
-        with conn:
+        with conn, _then(conn, after):
             try:
                 yield conn
             except BaseException as exc:

@@ -86,6 +86,9 @@ def _fileno(dbapi_conn: Any) -> int | None:
     try:
         if getattr(dbapi_conn, "closed", False):
             return None
+        if not hasattr(dbapi_conn, "fileno"):  # PyMySQL keeps its socket as ``_sock``
+            sock = getattr(dbapi_conn, "_sock", None)
+            return None if sock is None else int(sock.fileno())
         return int(dbapi_conn.fileno())
     except Exception:  # closed, or a driver without a socket
         return None

@@ -102,9 +102,9 @@ class BodyEffects(Database):
         stmt = self.dialect.insert(lg).values(
             key=key, work_key=work_key, epoch=epoch, result_json=result_json,
             applied_at=self.dialect.now(),
-        ).on_conflict_do_nothing(index_elements=[lg.c.key]).returning(lg.c.key)
-        # RETURNING, not rowcount: SQLAlchemy 2.1 reports rowcount -1 for INSERTs on psycopg.
-        return conn.execute(stmt).first() is not None
+        ).on_conflict_do_nothing(index_elements=[lg.c.key])
+        # Not rowcount: SQLAlchemy 2.1 reports rowcount -1 for INSERTs on psycopg.
+        return self.dialect.insert_if_absent(conn, stmt)
 
     def ledger_set_result(self, conn: Connection, key: str, result_json: str) -> None:
         """Set the result of a marker inserted earlier in ``conn``'s transaction."""

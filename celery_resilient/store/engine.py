@@ -19,6 +19,7 @@ from sqlalchemy.exc import DisconnectionError, NoSuchModuleError
 
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.store import deadlines
+from celery_resilient.store.dialect import check_server
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "resilient_write"
@@ -59,13 +60,113 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
+#: MySQL session settings of every store connection (see _mysql_engine).
+MYSQL_SESSION = "SET time_zone = '+00:00'"
+#: The isolation of a session whose statements autocommit (the engine sets the others').
+MYSQL_AUTOCOMMIT_ISOLATION = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+
+
+def _mysql_engine(url: str, autocommit: bool) -> Engine:
+    """A MySQL/MariaDB engine (``mysql+pymysql://``, ``mysql+mysqldb://``).
+
+    - ``READ COMMITTED``, not InnoDB's default ``REPEATABLE READ``: every store transaction
+      is a few statements that lock the rows they change (fenced writes, takes, ``SKIP
+      LOCKED`` sweeps). Under ``REPEATABLE READ`` a locking read or an UPDATE by a
+      non-unique index (``state``, ``lease_expires_at``, ``task_id``) also takes gap and
+      next-key locks, so two sweepers or a sweep and a receipt deadlock on rows neither
+      needs; under ``READ COMMITTED`` only matched rows are locked, and a plain read sees
+      the latest commit, as on PostgreSQL (the same snapshot semantics the store's
+      statements were written for).
+    - no pool pre-ping, as on PostgreSQL: MySQL ends idle sessions after ``wait_timeout``
+      (8 h by default; a proxy may drop them sooner), and such a stale connection fails on
+      use, before its statement reached the server, so the call runs once more on a fresh
+      one (``guarded``). A pre-ping would cost a round trip per checkout and, sent before
+      the pool's checkout hook, escape the round-trip deadlines (:mod:`.deadlines`): a
+      silent server would hang it. The autocommit engine of the per-task statements also
+      sends no rollback when a connection goes back to the pool (a connection that raised
+      anything there is dropped instead: ``Database._autocommitted``).
+    - ``utf8mb4``, whatever the server's default (``utf8``/``utf8mb3`` cannot store every
+      character a task name, key or JSON payload may hold).
+    - the session time zone is UTC (``MYSQL_SESSION``): the store's clock does not depend
+      on it (``Dialect.now`` reads ``UTC_TIMESTAMP(6)``), but any date a statement or an
+      operator's query derives from it is then UTC, as on the other dialects.
+
+    ``autocommit``: connections in autocommit for good (single-statement transactions),
+    which may also send several statements in one packet (``CLIENT_MULTI_STATEMENTS``): the
+    take sends its UPDATE, the read of the row it locked and the COMMIT as one round trip
+    (:mod:`.hot_mysql`). Only the store's own statements run there, every value bound.
+    """
+    parsed = make_url(url)
+    query = dict(parsed.query)
+    query.setdefault("charset", "utf8mb4")
+    engine = create_engine(parsed.set(query=query),
+                           isolation_level="AUTOCOMMIT" if autocommit else "READ COMMITTED",
+                           pool_reset_on_return=None if autocommit else "rollback",
+                           pool_size=2 if autocommit else 5,
+                           max_overflow=3 if autocommit else 5,
+                           connect_args=_mysql_connect_args(url, autocommit))
+
+    if autocommit:
+        rollback = engine.dialect.do_rollback
+
+        def do_rollback(dbapi_conn: Any) -> None:
+            # SQLAlchemy rolls back every connection it closes; PyMySQL sends that ROLLBACK
+            # even in autocommit, a round trip per hot statement for nothing. The server's
+            # status in the last reply says whether a transaction is open (a local read).
+            status = getattr(dbapi_conn, "server_status", None)
+            if isinstance(status, int) and not status & SERVER_STATUS_IN_TRANS:
+                return
+            rollback(dbapi_conn)
+
+        engine.dialect.do_rollback = do_rollback  # type: ignore[method-assign,assignment]
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        check_server(engine.dialect)
+        cur = dbapi_conn.cursor()
+        cur.execute(MYSQL_SESSION)
+        if autocommit:  # its single statements lock as the transactions do (no gap locks)
+            cur.execute(MYSQL_AUTOCOMMIT_ISOLATION)
+        cur.close()
+
+    return engine
+
+
+#: MySQL protocol capability flags (the same for PyMySQL and mysqlclient): matched rather
+#: than changed rows as an UPDATE's count (SQLAlchemy's MySQL dialects always ask for it),
+#: and several statements in one packet.
+CLIENT_FOUND_ROWS = 2
+CLIENT_MULTI_STATEMENTS = 1 << 16
+#: The server-status bit of a reply sent inside a transaction.
+SERVER_STATUS_IN_TRANS = 1
+
+
+def _mysql_connect_args(url: str, autocommit: bool = False) -> dict[str, Any]:
+    """Bounds on a connection that stops answering (as PARTITION_TIMEOUTS on PostgreSQL):
+    a connect within 5 s; a read or write on the socket within 60 s unless the URL sets
+    them. A statement that waits for a row lock longer is ended by the server first
+    (``innodb_lock_wait_timeout``, 50 s by default), and retried as transient."""
+    parsed = make_url(url)
+    args: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 60, "write_timeout": 60}
+    args = {k: v for k, v in args.items() if k not in parsed.query}
+    if autocommit:  # given here, the flags replace the dialect's: FOUND_ROWS kept
+        args["client_flag"] = (int(str(parsed.query.get("client_flag", 0))) | CLIENT_FOUND_ROWS
+                               | CLIENT_MULTI_STATEMENTS)
+    return args
+
+
 def build_engine(url: str, autocommit: bool = False) -> Engine:
-    """``autocommit``: a PostgreSQL engine whose connections stay in autocommit for good, for
+    """``autocommit``: an engine whose connections stay in autocommit for good, for
     statements that are each their own transaction (take, finish): no isolation level set
     and reset around every statement, no rollback on return to the pool."""
     try:
-        if make_url(url).get_backend_name() == "sqlite":
+        backend = make_url(url).get_backend_name()
+        if backend == "sqlite":
             return _sqlite_engine(url)
+        if backend in ("mysql", "mariadb"):
+            engine = _mysql_engine(url, autocommit)
+            deadlines.install(engine)
+            return engine
         if autocommit:
             engine = create_engine(url, pool_size=2, max_overflow=3,
                                    isolation_level="AUTOCOMMIT", pool_reset_on_return=None,
@@ -83,7 +184,7 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
         raise ConfigurationError(
             f"resilient_store_url={sanitize_url(url)!r} names a database driver that is not "
             f"installed or does not exist ({exc}); e.g. install the postgres extra for "
-            "postgresql+psycopg://"
+            "postgresql+psycopg://, the mysql extra for mysql+pymysql://"
         ) from None
 
 

@@ -133,7 +133,9 @@ def _is_interrupt(exc: BaseException) -> bool:
 def server_gone(exc: BaseException) -> bool:
     """The connection answered as a server that went away or is read-only (a standby during
     a failover): the next attempt needs a fresh connection."""
-    return isinstance(exc, DBAPIError) and transient.sqlstate(exc) in transient.LOST_SQLSTATES
+    return isinstance(exc, DBAPIError) and (
+        transient.sqlstate(exc) in transient.LOST_SQLSTATES
+        or transient.mysql_errno(exc) in transient.MYSQL_LOST)
 
 
 def drop(conn: Connection) -> None:

@@ -53,7 +53,7 @@ class HotStatements:
         # the updated row's column: SQLite's RETURNING names columns without their table,
         # and `work_key = work_key` would match every row of the old table.
         old_row = old.c.work_key == bindparam("k", type_=String)
-        self.take_fast = (
+        self.take_fast_update = (
             # The common take in one statement: a reserved or requeued claim, compatible
             # arguments, under the death cap, its task id not revoked. Anything else takes
             # the careful path.
@@ -78,6 +78,9 @@ class HotStatements:
                     args_digest=func.coalesce(w.c.args_digest,
                                               bindparam("digest", type_=String)),
                     updated_at=now)
+        )
+        self.take_fast = (  # MySQL, which has no UPDATE ... RETURNING: hot_mysql.py
+            self.take_fast_update
             .returning(w.c.epoch, w.c.attempts, w.c.deaths, w.c.checkpoint_json,
                        w.c.checkpoint_seq, w.c.checkpoint_epoch, w.c.checkpoint_takes,
                        select(old.c.state_json).where(old_row).scalar_subquery()
@@ -115,13 +118,14 @@ class HotStatements:
         # same checkpoint is. ``checkpoint_json`` on the right-hand side is the stored value.
         state = bindparam("state_json", type_=Text)
         progress = w.c.checkpoint_json.is_distinct_from(state)
-        self.fenced_checkpoint = self.fence.values(
+        self.fenced_checkpoint_update = self.fence.values(
             checkpoint_json=state, checkpoint_seq=w.c.checkpoint_seq + 1,
             checkpoint_epoch=bindparam("e", type_=BigInteger), checkpoint_at=now,
             checkpoint_takes=0,
             deaths=case((progress, 0), else_=w.c.deaths),
             republished=case((progress, 0), else_=w.c.republished),
-        ).returning(w.c.checkpoint_seq)
+        )
+        self.fenced_checkpoint = self.fenced_checkpoint_update.returning(w.c.checkpoint_seq)
         fg = t.forgotten
         # A key's first row starts at epoch 0, or where its forgotten predecessor ended.
         self.first_epoch = func.coalesce(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from sqlalchemy import (
@@ -14,7 +15,7 @@ from sqlalchemy import (
 )
 
 from celery_resilient.core.identity import Owner
-from celery_resilient.store import liveness
+from celery_resilient.store import liveness, liveness_mysql
 from celery_resilient.store.db import Database
 from celery_resilient.store.guard import guarded
 from celery_resilient.store.records import (
@@ -34,6 +35,13 @@ log = logging.getLogger(__name__)
 
 class Incarnations(Database):
     """Worker incarnations: leases, heartbeats, liveness sessions, proofs of death."""
+
+    @property
+    def _sessions(self) -> ModuleType:
+        """The liveness-lock queries of this store's server: :mod:`.liveness` (PostgreSQL)
+        or :mod:`.liveness_mysql`, each with ``server_start``, ``same_server``,
+        ``held_by_this_backend`` and ``held_in_this_database``."""
+        return liveness_mysql if self.dialect.is_mysql else liveness
 
     # -- incarnations: one lease row per worker start ------------------------------------
 
@@ -88,11 +96,13 @@ class Incarnations(Database):
         """
         wk = self.t.workers
         now = self.dialect.now()
-        with self.single() as conn:
-            stopped = conn.execute(
-                update(wk).where(wk.c.incarnation == owner.incarnation)
-                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds)
-                .returning(wk.c.stopped_at)).first()
+        # MySQL: the renewal and the read of its row share a transaction (no RETURNING)
+        with (self.begin() if self.dialect.is_mysql else self.single()) as conn:
+            this = wk.c.incarnation == owner.incarnation
+            stopped = self.dialect.update_returning(
+                conn, update(wk).where(this)
+                .values(heartbeat_at=now, lease_expires_at=now + lease_seconds),
+                this, wk.c.stopped_at)
             if stopped is None:  # the row was pruned: record it again
                 conn.execute(self.dialect.insert(wk).values(
                     incarnation=owner.incarnation, node=owner.node, pid=owner.pid,
@@ -157,8 +167,8 @@ class Incarnations(Database):
         if self.dialect.is_sqlite:
             return False
         with self.reading() as conn:
-            seen = liveness.held_in_this_database(
-                conn, liveness.lock_key(self.prefix, owner.incarnation))
+            seen = bool(self._sessions.held_in_this_database(
+                conn, liveness.lock_key(self.prefix, owner.incarnation)))
         return seen
 
     @guarded
@@ -177,19 +187,21 @@ class Incarnations(Database):
     def lock_suspects(self, owner: Owner, stale_seconds: float) -> list[str]:
         """Other incarnations whose liveness lock a probe may take: not stopped, their lease
         not yet over (a probe is to beat it), holding a lock taken on this server start
-        (PostgreSQL), quiet for ``stale_seconds``."""
+        (PostgreSQL, MySQL), quiet for ``stale_seconds``."""
         if self.dialect.is_sqlite:
             return []
         wk = self.t.workers
+        sessions = self._sessions
         with self.reading() as conn:
-            here = liveness.server_start(conn)
+            here = sessions.server_start(conn)
             rows = conn.execute(
                 select(wk.c.incarnation, wk.c.liveness_server)
                 .where(wk.c.incarnation != owner.incarnation, wk.c.stopped_at.is_(None),
                        wk.c.liveness_server.is_not(None), wk.c.ended_by.is_(None),
                        wk.c.lease_expires_at > self.dialect.now(),
                        wk.c.heartbeat_at < self.dialect.now() - stale_seconds)).all()
-        return [r.incarnation for r in rows if abs(float(r.liveness_server) - here) < 1e-3]
+        return [r.incarnation for r in rows
+                if sessions.same_server(float(r.liveness_server), here)]
 
     @guarded
     def prove_dead(self, incarnation: str, by: Owner | None = None) -> str:
@@ -209,21 +221,28 @@ class Incarnations(Database):
             return UNJUDGED
         wk = self.t.workers
         key = liveness.lock_key(self.prefix, incarnation)
-        with self.begin() as conn:
+        sessions = self._sessions
+        # MySQL: the named lock is the session's; let it go once the proof committed
+        after = ((lambda conn: liveness_mysql.release(conn, key)) if self.dialect.is_mysql
+                 else None)
+        with self.begin(after=after) as conn:
             row = conn.execute(select(wk.c.liveness_server, wk.c.stopped_at, wk.c.node)
                                .where(wk.c.incarnation == incarnation)
                                .with_for_update()).first()
             if row is None or row.stopped_at is not None or row.liveness_server is None:
                 return UNJUDGED
-            if abs(float(row.liveness_server) - liveness.server_start(conn)) >= 1e-3:
+            if not sessions.same_server(float(row.liveness_server),
+                                        sessions.server_start(conn)):
                 return UNJUDGED  # taken on a server that has restarted since: no proof
-            if liveness.held_by_this_backend(conn, key):
+            if sessions.held_by_this_backend(conn, key):
                 log.warning("the liveness lock of incarnation %s is held by this very "
                             "database session: a pooler in transaction mode? Set "
-                            "resilient_liveness_url to a direct PostgreSQL URL", incarnation,
+                            "resilient_liveness_url to a direct database URL", incarnation,
                             extra={"action": "liveness_pooler"})
                 return UNJUDGED
-            if not liveness.try_lock_for_transaction(conn, key):
+            got = (liveness_mysql.try_lock(conn, key) if self.dialect.is_mysql
+                   else liveness.try_lock_for_transaction(conn, key))
+            if not got:
                 return SESSION_ALIVE
             now = self.dialect.now()
             if by is not None and by.node == row.node:
@@ -263,6 +282,10 @@ class Incarnations(Database):
         if self.dialect.is_sqlite:
             return None
         with self.reading() as conn:
-            value = conn.exec_driver_sql(
-                "SELECT EXTRACT(EPOCH FROM now() - pg_postmaster_start_time())").scalar_one()
+            if self.dialect.is_mysql:
+                value = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'Uptime'").one()[1]
+            else:
+                value = conn.exec_driver_sql(
+                    "SELECT EXTRACT(EPOCH FROM now() - pg_postmaster_start_time())"
+                ).scalar_one()
         return float(value)

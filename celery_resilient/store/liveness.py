@@ -1,4 +1,5 @@
 """Proof of death by PostgreSQL session: an advisory lock held for an incarnation's lifetime.
+(MySQL and MariaDB: a named lock, :mod:`.liveness_mysql`.)
 
 PostgreSQL frees a session-level advisory lock when the session ends: a few milliseconds after
 its holder's process dies, on any host; after TCP keepalives give up when the holder's link is
@@ -40,6 +41,7 @@ from sqlalchemy.pool import NullPool
 
 from celery_resilient.store import deadlines
 from celery_resilient.store.engine import sanitize_url
+from celery_resilient.store.liveness_mysql import MySQLSessionLock
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +72,28 @@ def lock_key(prefix: str, incarnation: str) -> int:
 
 
 def supports(url: str) -> bool:
-    return make_url(url).get_backend_name() == "postgresql"
+    return make_url(url).get_backend_name() in ("postgresql", "mysql", "mariadb")
+
+
+def session_lock(url: str, prefix: str, incarnation: str,
+                 deadline: float = PING_DEADLINE) -> SessionLock | MySQLSessionLock:
+    """The liveness lock of ``incarnation`` for the server ``url`` names (PostgreSQL's
+    advisory lock, or MySQL's named lock: :mod:`.liveness_mysql`)."""
+    if make_url(url).get_backend_name() in ("mysql", "mariadb"):
+        return MySQLSessionLock(url, lock_key(prefix, incarnation), deadline,
+                                SERVER_DETECTS_AFTER)
+    return SessionLock(url, prefix, incarnation, deadline)
 
 
 def server_start(conn: Connection) -> float:
     """This server's start, in seconds since the epoch (changes at a restart or failover)."""
     return float(conn.exec_driver_sql(
         "SELECT EXTRACT(EPOCH FROM pg_postmaster_start_time())").scalar_one())
+
+
+def same_server(a: float, b: float) -> bool:
+    """Whether two reads of :func:`server_start` name the same start."""
+    return abs(a - b) < 1e-3
 
 
 def held_by_this_backend(conn: Connection, key: int) -> bool:
@@ -197,5 +214,5 @@ class SessionLock:
 
 
 __all__ = ["CLASS_ID", "PING_SECONDS", "SERVER_DETECTS_AFTER", "SessionLock",
-           "held_by_this_backend", "lock_key", "server_start", "supports",
-           "try_lock_for_transaction"]
+           "held_by_this_backend", "lock_key", "same_server", "server_start", "session_lock",
+           "supports", "try_lock_for_transaction"]

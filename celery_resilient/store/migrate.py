@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from alembic import command
+from alembic import command, op
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -30,6 +30,21 @@ _current_prefix: list[str] = []
 def table_prefix() -> str:
     """The prefix of the migration being run; read by revision scripts."""
     return _current_prefix[-1]
+
+
+def table_options() -> dict[str, str]:
+    """Table options of a revision script's ``create_table``, for the server it runs on.
+
+    MySQL/MariaDB: InnoDB, ``utf8mb4``, and a binary collation without pad space, so keys
+    compare as PostgreSQL and SQLite compare them: ``"Key"`` is not ``"key"`` and ``"k "``
+    is not ``"k"`` (the servers' defaults are case-insensitive, and their ``utf8mb4_bin``
+    pads with spaces). The collation's name differs between the two servers."""
+    dialect = op.get_bind().dialect
+    if dialect.name not in ("mysql", "mariadb"):
+        return {}
+    collation = "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
+    return {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4",
+            "mysql_collate": collation}
 
 
 def _quiet_alembic() -> None:
@@ -67,11 +82,35 @@ def _serialize(conn: Connection, prefix: str) -> None:
     exited with a duplicate key on the version table). On PostgreSQL a transaction-level
     advisory lock keyed by the prefix, taken before Alembic reads the current revision, so
     the next one in line finds the schema at head; SQLite's writing transaction
-    (``for_writing``) already admits one writer."""
+    (``for_writing``) already admits one writer. MySQL's DDL commits as it goes, so there
+    the lock is a session-level named lock (``GET_LOCK``), held until :func:`_unserialize`
+    or the session's end."""
     if conn.dialect.name == "postgresql":
         key = int.from_bytes(hashlib.blake2b(f"celery-resilient:{prefix}".encode(),
                                              digest_size=8).digest(), "big", signed=True)
         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+    elif conn.dialect.name in ("mysql", "mariadb"):
+        got = conn.execute(text("SELECT GET_LOCK(:name, :wait)"),
+                           {"name": _lock_name(prefix), "wait": MYSQL_MIGRATION_WAIT}
+                           ).scalar_one()
+        if got != 1:
+            raise SchemaError(f"another process held the migration lock of tables {prefix}* "
+                              f"for {MYSQL_MIGRATION_WAIT} s; run `{FIX_COMMAND}` again")
+
+
+#: Seconds a MySQL migration waits for another one of the same prefix.
+MYSQL_MIGRATION_WAIT = 300
+
+
+def _lock_name(prefix: str) -> str:
+    """A MySQL lock name (at most 64 characters) for the migrations of ``prefix``."""
+    return "celery-resilient:migrate:" + hashlib.blake2b(prefix.encode(),
+                                                         digest_size=16).hexdigest()
+
+
+def _unserialize(conn: Connection, prefix: str) -> None:
+    if conn.dialect.name in ("mysql", "mariadb"):
+        conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": _lock_name(prefix)})
 
 
 def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
@@ -83,6 +122,7 @@ def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
             command.upgrade(_config(prefix, conn), revision)
         finally:
             _current_prefix.pop()
+            _unserialize(conn, prefix)
 
 
 def downgrade(engine: Engine, prefix: str, revision: str) -> None:
@@ -94,6 +134,7 @@ def downgrade(engine: Engine, prefix: str, revision: str) -> None:
             command.downgrade(_config(prefix, conn), revision)
         finally:
             _current_prefix.pop()
+            _unserialize(conn, prefix)
 
 
 def check(engine: Engine, prefix: str, migrate_if_needed: bool) -> None:

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy import Connection, and_, delete, func, select, update
 
 from celery_resilient.core.states import (
     ALL_STATES,
@@ -342,9 +342,13 @@ class OperatorQueries:
             # what the previous version reads
             checkpoint_compat.delete_old_checkpoints(self.store.t, conn, keys)
             counts["steps"] += conn.execute(delete(s).where(s.c.work_key.in_(keys))).rowcount
-            gone = conn.execute(delete(w).where(w.c.work_key.in_(keys),
-                                                w.c.state.in_(FORGET_SOURCES))
-                                .returning(w.c.checkpoint_seq)).all()
+            which = and_(w.c.work_key.in_(keys), w.c.state.in_(FORGET_SOURCES))
+            doomed = delete(w).where(which)
+            if self.store.dialect.is_mysql:  # no DELETE ... RETURNING; the rows are locked
+                gone = conn.execute(select(w.c.checkpoint_seq).where(which)).all()
+                conn.execute(doomed)
+            else:
+                gone = conn.execute(doomed.returning(w.c.checkpoint_seq)).all()
             # each checkpoint goes with its work row (checkpoint_seq > 0: see retention)
             counts["checkpoints"] += sum(1 for (seq,) in gone if seq)
             return [_target(r) for r in rows]

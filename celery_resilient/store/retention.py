@@ -117,11 +117,17 @@ def delete_finished_work(store: Database, cutoff: float, batch: int = PRUNE_BATC
               .order_by(w.c.finished_at).limit(batch)
               .with_for_update(**store.dialect.lock_kwargs()))
     with store.begin() as conn:
-        gone = conn.execute(
-            delete(w).where(w.c.work_key.in_(chosen), w.c.state.in_(FINISHED_STATES))
-            # checkpoint_seq > 0 exactly when the row holds a checkpoint; not an IS NOT
-            # NULL expression, which SQLite 3.40's DELETE ... RETURNING gives as true for all.
-            .returning(w.c.work_key, w.c.checkpoint_seq)).all()
+        which = and_(w.c.work_key.in_(store.dialect.chosen(conn, chosen)),
+                     w.c.state.in_(FINISHED_STATES))
+        doomed = delete(w).where(which)
+        # checkpoint_seq > 0 exactly when the row holds a checkpoint; not an IS NOT
+        # NULL expression, which SQLite 3.40's DELETE ... RETURNING gives as true for all.
+        if store.dialect.is_mysql:  # no DELETE ... RETURNING: read the locked rows first
+            gone = conn.execute(select(w.c.work_key, w.c.checkpoint_seq)
+                                .where(which)).all()
+            conn.execute(doomed)
+        else:
+            gone = conn.execute(doomed.returning(w.c.work_key, w.c.checkpoint_seq)).all()
         if not gone:
             return WorkPruned()
         keys = [str(k) for k, _ in gone]
@@ -142,7 +148,8 @@ def _delete_oldest(store: Database, key: Any, order: Any, where: Any, batch: int
         # No second look at ``where`` here: on PostgreSQL a row changed after this statement
         # began is locked in its new version and the choice's predicate checked again on it
         # (or skipped while its writer holds it); SQLite runs one writer at a time.
-        return int(conn.execute(delete(key.table).where(key.in_(chosen))).rowcount)
+        return int(conn.execute(delete(key.table).where(
+            key.in_(store.dialect.chosen(conn, chosen)))).rowcount)
 
 
 @guarded
@@ -183,8 +190,8 @@ def delete_beat_runs(store: Database, cutoff: float, batch: int = PRUNE_BATCH) -
               .with_for_update(**store.dialect.lock_kwargs()))
     with store.begin() as conn:
         return int(conn.execute(delete(r).where(
-            tuple_(r.c.entry, r.c.slot).in_(chosen), r.c.state.in_(ENDED_SLOT_STATES))
-        ).rowcount)
+            tuple_(r.c.entry, r.c.slot).in_(store.dialect.chosen(conn, chosen)),
+            r.c.state.in_(ENDED_SLOT_STATES))).rowcount)
 
 
 @guarded
@@ -196,6 +203,10 @@ def delete_contexts(store: Database, cutoff: float, batch: int = PRUNE_BATCH) ->
               .order_by(c.c.updated_at).limit(batch)
               .with_for_update(**store.dialect.lock_kwargs()))
     with store.begin() as conn:
+        if store.dialect.is_mysql:  # no DELETE ... RETURNING: the locked choice is the list
+            keys = store.dialect.chosen(conn, chosen)
+            conn.execute(delete(c).where(c.c.key.in_(keys)))
+            return [str(k) for k in keys]
         return [str(k) for k in conn.execute(
             delete(c).where(c.c.key.in_(chosen), c.c.updated_at < cutoff)
             .returning(c.c.key)).scalars()]

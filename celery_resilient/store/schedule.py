@@ -196,6 +196,8 @@ class ScheduleStore:
         with self.store.begin() as conn:
             if self.store.dialect.is_sqlite:
                 claimed, taken = self._claim_sqlite(conn, entry, owner, send, skipped)
+            elif self.store.dialect.is_mysql:
+                claimed, taken = self._claim_each(conn, entry, owner, send, skipped)
             else:
                 claimed = self._insert_unnest(conn, entry, owner, CLAIMED, send)
                 self._insert_unnest(conn, entry, owner, SKIPPED, skipped)
@@ -232,6 +234,31 @@ class ScheduleStore:
             conn.execute(stmt, params)
         return claimed, sorted(s for s, _ in send if s in before)
 
+    def _claim_each(self, conn: Connection, entry: str, owner: str,
+                    send: Sequence[tuple[float, str]],
+                    skipped: Sequence[tuple[float, str]]) -> tuple[list[float], list[float]]:
+        """MySQL: ``(claimed, already recorded)`` slots of ``send``, one INSERT per slot.
+
+        Neither a set-based insert that reports which rows it inserted (no ``RETURNING``;
+        ``ON DUPLICATE KEY`` counts a no-op duplicate as a row under ``CLIENT_FOUND_ROWS``)
+        nor SQLite's single writer: each slot's own INSERT, refused by its primary key when
+        another beat recorded it first, is the claim. A catch-up of N windows costs N round
+        trips, in one transaction."""
+        r = self.runs
+        d = self.store.dialect
+        stmt = d.insert(r).values(entry=entry, slot=bindparam("slot"), state=bindparam("state"),
+                                  task_id=bindparam("task_id"), owner=owner,
+                                  claimed_at=d.now()).on_conflict_do_nothing()
+        claimed: list[float] = []
+        taken: list[float] = []
+        for state, rows in ((CLAIMED, send), (SKIPPED, skipped)):
+            for slot, task_id in rows:
+                new = d.insert_if_absent(conn, stmt, {"slot": slot, "state": state,
+                                                      "task_id": task_id})
+                if state == CLAIMED:
+                    (claimed if new else taken).append(slot)
+        return claimed, sorted(taken)
+
     def _insert_unnest(self, conn: Connection, entry: str, owner: str, state: str,
                        rows: Sequence[tuple[float, str]]) -> list[float]:
         """PostgreSQL: insert ``(slot, task_id)`` rows missing; return the slots inserted."""
@@ -266,8 +293,9 @@ class ScheduleStore:
             return 0
         r = self.runs
         sqlite = self.store.dialect.is_sqlite
-        listed = (r.c.slot.in_(bindparam("b_slots", expanding=True)) if sqlite
-                  else r.c.slot == any_(bindparam("b_slots", type_=ARRAY(Float))))
+        listed = (r.c.slot == any_(bindparam("b_slots", type_=ARRAY(Float)))
+                  if self.store.dialect.name == "postgresql"
+                  else r.c.slot.in_(bindparam("b_slots", expanding=True)))
         stmt = update(r).where(
             r.c.entry == entry, r.c.slot >= bindparam("b_lo"), r.c.slot <= bindparam("b_hi"),
             listed,
@@ -300,11 +328,11 @@ class ScheduleStore:
             if conn.execute(update(r).where(this, r.c.state.in_((CLAIMED, SENT)))
                             .values(state=STARTED, owner=starter)).rowcount == 1:
                 return Start(True)
-            inserted = conn.execute(d.insert(r).values(
-                entry=entry, slot=slot, state=STARTED, task_id=task_id, owner=starter,
-                claimed_at=d.now()).on_conflict_do_nothing(index_elements=[r.c.entry, r.c.slot])
-                .returning(r.c.entry)).first()  # RETURNING: psycopg reports rowcount -1 here
-            if inserted is not None:
+            # Not rowcount: psycopg reports -1 here
+            if d.insert_if_absent(conn, d.insert(r).values(
+                    entry=entry, slot=slot, state=STARTED, task_id=task_id, owner=starter,
+                    claimed_at=d.now()).on_conflict_do_nothing(
+                        index_elements=[r.c.entry, r.c.slot])):
                 return Start(True, recorded=True)
             row = conn.execute(select(r).where(this)).first()
             if row is None:  # deleted meanwhile (pruned): nothing to hold, nothing to refuse
@@ -345,12 +373,21 @@ class ScheduleStore:
             now = self.store.dialect.now()
             for previous, slots in by_owner.items():
                 was = r.c.owner.is_(None) if previous is None else r.c.owner == previous
-                stmt = (update(r).where(r.c.entry == entry, r.c.state == CLAIMED, was,
-                                        r.c.slot.in_(bindparam("slots", expanding=True)))
-                        .values(owner=owner, claimed_at=now).returning(r.c.slot))
+                which = and_(r.c.entry == entry, r.c.state == CLAIMED, was,
+                             r.c.slot.in_(bindparam("slots", expanding=True)))
+                stmt = update(r).where(which).values(owner=owner, claimed_at=now)
                 for chunk in _chunks(slots):
+                    if self.store.dialect.is_mysql:
+                        # no UPDATE ... RETURNING: lock the rows that match, then move them
+                        mine = [float(x) for x in conn.execute(
+                            select(r.c.slot).where(which).with_for_update(),
+                            {"slots": list(chunk)}).scalars()]
+                        conn.execute(update(r).where(r.c.entry == entry, r.c.slot.in_(mine))
+                                     .values(owner=owner, claimed_at=now))
+                        won.extend(mine)
+                        continue
                     won.extend(float(x) for x in conn.execute(
-                        stmt, {"slots": list(chunk)}).scalars())
+                        stmt.returning(r.c.slot), {"slots": list(chunk)}).scalars())
         return sorted(won)
 
     @guarded

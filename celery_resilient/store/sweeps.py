@@ -214,17 +214,27 @@ class Sweeps(Database):
         else:
             gone = or_(stopped, and_(own_deadline, w.c.incarnation.is_(None)))
         revoked = exists().where(rv.c.task_id == w.c.task_id).label("revoked")
+        choice = (
+            select(w.c.work_key, w.c.task_id, w.c.task_name, w.c.message_json, w.c.state,
+                   w.c.owner_node, w.c.owner_pid, w.c.deaths, w.c.republished, w.c.retries,
+                   revoked)
+            # a claim handed to a replacement waits for it (Celery sends it)
+            .where(w.c.state.in_(OPEN_STATES), gone, w.c.handed_to.is_(None))
+            .limit(limit)
+            .with_for_update(**self.dialect.lock_of(w), **self.dialect.lock_kwargs()))
+        if self.dialect.is_mysql:
+            # InnoDB locks every row a sort reads before the LIMIT: ordered by creation
+            # (a filesort), one sweep would lock all the orphans and a concurrent one find
+            # none. Walking the (state, lease) index in its order, it locks only the rows
+            # it takes, and the other sweep takes the next ones, as on PostgreSQL.
+            index = f"ix_{self.prefix}work_state_lease"
+            choice = choice.order_by(w.c.state, w.c.lease_expires_at)
+            for name in ("mysql", "mariadb"):
+                choice = choice.with_hint(w, f"FORCE INDEX ({index})", name)
+        else:
+            choice = choice.order_by(w.c.created_at)
         with self.begin() as conn:
-            rows = conn.execute(
-                select(w.c.work_key, w.c.task_id, w.c.task_name, w.c.message_json, w.c.state,
-                       w.c.owner_node, w.c.owner_pid, w.c.deaths, w.c.republished, w.c.retries,
-                       revoked)
-                # a claim handed to a replacement waits for it (Celery sends it)
-                .where(w.c.state.in_(OPEN_STATES), gone, w.c.handed_to.is_(None))
-                .order_by(w.c.created_at)
-                .limit(limit)
-                .with_for_update(of=w, **self.dialect.lock_kwargs())
-            ).all()
+            rows = conn.execute(choice).all()
             orphans: list[Orphan] = []
             for r in rows:
                 fate = judge_orphan(r.state, r.owner_pid, r.republished, bool(r.revoked),

@@ -27,6 +27,18 @@ SQLite: ``SQLITE_BUSY`` ("database is locked": another connection held the write
 busy timeout) and ``SQLITE_LOCKED`` ("database table is locked"): the statement did not run and
 the lock is released when the other writer commits. (*Retryable*.)
 
+MySQL and MariaDB, by error number (``exc.orig.args[0]``):
+
+- ``1213`` deadlock found: InnoDB rolled the whole transaction back. (*Retryable*.)
+- ``1205`` lock wait timeout: ``innodb_lock_wait_timeout`` ran out; InnoDB rolls back the
+  statement only, and the store then rolls back the rest before it runs the transaction
+  again. (*Retryable*.)
+- ``2006``/``2013`` server gone, connection lost; ``1053`` server shutdown; ``1927``
+  connection killed (MariaDB); ``4031`` disconnected for inactivity (MySQL); ``2002``/``2003``
+  cannot connect; ``1290``/``1792`` read-only server or transaction (a replica, or a failover
+  under way): the session or its writes are gone; a fresh connection works once the server
+  takes writes again.
+
 Everything else (an ``IntegrityError`` of the user's own table, a syntax error, a bug) is not
 transient: it would fail the same way again, so it stays the task's failure.
 """
@@ -55,6 +67,13 @@ LOST_SQLSTATES = {
     "25P03": "idle-in-transaction session timeout",
     "25006": "read-only transaction (a standby, or a failover under way)",
 }
+MYSQL_RETRYABLE = {1213: "deadlock found", 1205: "lock wait timeout"}
+MYSQL_LOST = {
+    2006: "server has gone away", 2013: "lost connection during query",
+    1053: "server shutdown in progress", 1927: "connection killed",
+    4031: "disconnected by the server for inactivity", 2002: "cannot connect",
+    2003: "cannot connect", 1290: "server is read-only", 1792: "read-only transaction",
+}
 SQLITE_RETRYABLE = ("SQLITE_BUSY", "SQLITE_LOCKED")
 SQLITE_MESSAGES = ("database is locked", "database table is locked", "database schema is locked")
 
@@ -72,6 +91,15 @@ def sqlstate(exc: BaseException) -> str | None:
     return code if isinstance(code, str) else None
 
 
+def mysql_errno(exc: BaseException) -> int | None:
+    """The MySQL/MariaDB error number of ``exc`` (wrapped or raw), or None."""
+    orig = driver_error(exc)
+    if not type(orig).__module__.startswith(("pymysql", "MySQLdb")):
+        return None
+    args = getattr(orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
 def _sqlite_busy(exc: BaseException) -> str | None:
     orig = driver_error(exc)
     name = getattr(orig, "sqlite_errorname", None)
@@ -84,7 +112,8 @@ def _sqlite_busy(exc: BaseException) -> str | None:
 
 def is_retryable(exc: BaseException) -> bool:
     """The server rolled the transaction back and said so: run it again in place."""
-    return sqlstate(exc) in RETRYABLE_SQLSTATES or _sqlite_busy(exc) is not None
+    return (sqlstate(exc) in RETRYABLE_SQLSTATES or _sqlite_busy(exc) is not None
+            or mysql_errno(exc) in MYSQL_RETRYABLE)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -93,12 +122,19 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
+    if mysql_errno(exc) in MYSQL_LOST:
+        return True
     code = sqlstate(exc)
     return code is not None and (code in LOST_SQLSTATES or code.startswith("08"))
 
 
 def describe(exc: BaseException) -> str:
-    """A short name for the error, with its SQLSTATE: ``deadlock detected (SQLSTATE 40P01)``."""
+    """A short name for the error, with its SQLSTATE: ``deadlock detected (SQLSTATE 40P01)``;
+    a MySQL error by its number (its SQLSTATEs are coarser: a deadlock is ``40001``, a lock
+    wait timeout ``HY000``)."""
+    errno = mysql_errno(exc)
+    if errno is not None and (errno in MYSQL_RETRYABLE or errno in MYSQL_LOST):
+        return f"{MYSQL_RETRYABLE.get(errno) or MYSQL_LOST[errno]} (MySQL error {errno})"
     code = sqlstate(exc)
     if code is not None:
         name = RETRYABLE_SQLSTATES.get(code) or LOST_SQLSTATES.get(code) or (

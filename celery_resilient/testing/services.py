@@ -1,4 +1,4 @@
-"""Throwaway PostgreSQL and Redis servers a test may stop, kill and restart.
+"""Throwaway PostgreSQL, MariaDB and Redis servers a test may stop, kill and restart.
 
 Resilience to a store or broker outage is shown by taking a real server away, never the
 machine's own: each of these runs on a free port under a temporary directory and is removed
@@ -7,6 +7,7 @@ by ``destroy()``.
 
 from __future__ import annotations
 
+import getpass
 import glob
 import os
 import shutil
@@ -33,9 +34,11 @@ def drop_prefixed_tables(url: str, prefix: str) -> None:
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
+            quote = conn.dialect.identifier_preparer.quote_identifier
+            cascade = " CASCADE" if conn.dialect.name == "postgresql" else ""
             for name in inspect(conn).get_table_names():
                 if name.startswith(prefix):
-                    conn.execute(text(f'DROP TABLE IF EXISTS "{name}" CASCADE'))
+                    conn.execute(text(f"DROP TABLE IF EXISTS {quote(name)}{cascade}"))
     finally:
         engine.dispose()
 
@@ -118,6 +121,63 @@ class ThrowawayPostgres:
     def destroy(self) -> None:
         if self.data.exists() and self.running():
             self.stop_immediately()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ThrowawayMariaDB:
+    """A MariaDB server of its own (``mariadb-install-db``, ``mariadbd``), run as root when we
+    are (``--user``); a ``test`` database; ``stop_immediately`` is a SIGKILL."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("mariadbd") or "/usr/sbin/mariadbd"
+        if not os.path.exists(binary):
+            raise RuntimeError("mariadbd not found: install MariaDB")
+        self.binary = binary
+        self.dir = Path(tempfile.mkdtemp(prefix="resilient-mariadb-", dir="/tmp"))
+        self.data = self.dir / "data"
+        self.port = free_port()
+        self.user = "root" if os.geteuid() == 0 else getpass.getuser()
+        self.url = f"mysql+pymysql://root@127.0.0.1:{self.port}/test"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def init(self) -> ThrowawayMariaDB:
+        subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={self.data}",
+                        f"--user={self.user}", "--auth-root-authentication-method=normal",
+                        "--skip-test-db"], check=True, capture_output=True, timeout=120)
+        return self
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, "--no-defaults", f"--datadir={self.data}", f"--port={self.port}",
+             "--bind-address=127.0.0.1", f"--socket={self.dir / 'sock'}",
+             f"--pid-file={self.dir / 'pid'}", f"--user={self.user}",
+             f"--log-error={self.dir / 'server.log'}", "--innodb-buffer-pool-size=32M",
+             "--skip-log-bin"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(self._answers, 60, f"MariaDB on port {self.port}", interval=0.1)
+        engine = create_engine(self.url.rsplit("/", 1)[0] + "/")
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("CREATE DATABASE IF NOT EXISTS test"))
+        finally:
+            engine.dispose()
+
+    def _answers(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"mariadbd exited {self.process.returncode}: "
+                               + (self.dir / "server.log").read_text(errors="replace")[-2000:])
+        return subprocess.run(["mysqladmin", "--no-defaults", "--host=127.0.0.1",
+                               f"--port={self.port}", "--user=root", "ping"],
+                              check=False, capture_output=True, timeout=30).returncode == 0
+
+    def stop_immediately(self) -> None:
+        """The outage: the server SIGKILLed, every session with it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+    def destroy(self) -> None:
+        self.stop_immediately()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

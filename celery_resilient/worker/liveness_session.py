@@ -18,6 +18,7 @@ import time
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store import deadlines, liveness
+from celery_resilient.store.liveness_mysql import MySQLSessionLock
 from celery_resilient.worker.fence import Fence
 from celery_resilient.worker.lease import LeaseKeeper
 
@@ -34,7 +35,7 @@ class LivenessSession(threading.Thread):
         self.owner = owner
         self.keeper = keeper
         self.fence = fence
-        self.lock: liveness.SessionLock | None = liveness.SessionLock(
+        self.lock: liveness.SessionLock | MySQLSessionLock | None = liveness.session_lock(
             url, rt.config.table_prefix, owner.incarnation)
         self._stop_event = threading.Event()
         self._warned_held = False

@@ -138,7 +138,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.hostname: str | None = None
         super().__init__(worker, **kwargs)
         rt = Runtime.enabled_on(worker.app)
-        if rt is not None and rt.config.batched_takes and not rt.store.dialect.is_sqlite:
+        if rt is not None and rt.config.batched_takes and rt.store.dialect.group_commits:
             # before the pool forks (this step starts after it): the pool processes inherit
             # the pipe they hand their results through (tasks/handed_results.py)
             handed_results.open_channel()

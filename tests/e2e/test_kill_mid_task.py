@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from celery_resilient.core import codec, messages
 from celery_resilient.testing import EffectLog, wait_for
+from celery_resilient.testing.services import drop_prefixed_tables
 
 from .conftest import Project
 
@@ -105,3 +107,42 @@ def test_sqlite_store_survives_sigkill(make_project, broker_url: str, tmp_path, 
     worker.restart()
     wait_for(lambda: project.state(key) == "done", 60, "the work to finish after restart")
     assert _assert_resumed_exactly(effect_log, key) == saved
+
+
+@pytest.fixture
+def mariadb_project(make_project, broker_url: str, mysql_url: str,  # type: ignore[no-untyped-def]
+                    table_prefix: str) -> Iterator[Project]:
+    """A project whose store is MariaDB (its tables dropped after the test)."""
+    project = make_project(broker_url, mysql_url)
+    yield project
+    project.close()
+    drop_prefixed_tables(mysql_url, table_prefix)
+
+
+def test_mariadb_store_survives_sigkill(mariadb_project: Project,
+                                        effect_log: EffectLog) -> None:
+    """On a MariaDB store: a whole-worker SIGKILL mid-task, a restart that resumes from the
+    last durable checkpoint (the takeover proven by the dead worker's ended session, or its
+    lease), steps and the ledger applied once, and a redelivered finished message that runs
+    nothing."""
+    project = mariadb_project
+    worker = project.worker(concurrency=2)
+    key = project.send("ingest", ROWS, DELAY, task_id="ingest-mariadb")
+    wait_for(lambda: _checkpointed(project, key) >= 5, 30, "5 checkpointed rows")
+    logs = worker.process.logs()
+    assert "liveness=session" in logs and "batched_takes=on" in logs, logs[-3000:]
+    worker.kill("SIGKILL")
+    saved = _checkpointed(project, key)
+    assert project.state(key) == "running"
+    worker.restart()
+    wait_for(lambda: project.state(key) == "done", 60, "the work to finish after restart")
+    assert _assert_resumed_exactly(effect_log, key) == saved
+    row = project.store.get_work(key)
+    assert row is not None and row.epoch == 2 and row.attempts == 2 and row.deaths == 0
+    assert codec.decode(row.result_json) == {"rows": ROWS, "notify": "sent",
+                                             "charge": f"receipt-{key}"}
+    before = effect_log.counts()
+    _redeliver_finished(project, key)
+    wait_for(lambda: "already done" in worker.process.logs(), 30,
+             "the redelivered finished message to be skipped")
+    assert effect_log.counts() == before

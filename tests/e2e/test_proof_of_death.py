@@ -2,11 +2,13 @@
 in a PID namespace of its own (``unshare --pid --fork --mount-proc``, as a container restart
 is), or under another host name (``--uts``: a pod rescheduled elsewhere keeps its node name),
 library defaults. ``/proc`` cannot prove the predecessor dead from another host; its
-PostgreSQL liveness session can: the killed task and the prefetched ones run again within
-2 s of the restart, the killed one from its checkpoint (before: 29 s, the lease)."""
+liveness session can (PostgreSQL's advisory lock, MariaDB's named lock: each test runs on
+both stores): the killed task and the prefetched ones run again within 2 s of the restart,
+the killed one from its checkpoint (before: 29 s, the lease)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 
 import pytest
@@ -20,6 +22,14 @@ from .conftest import Project
 PID_NS = ("unshare", "--pid", "--fork", "--mount-proc")
 ROWS, DELAY = 12, 0.25
 AGAIN_WITHIN = 2.0
+
+
+@pytest.fixture(params=["postgresql", "mariadb"])
+def project(request: pytest.FixtureRequest, make_project: Callable[..., Project],
+            broker_url: str, pg_url: str, mysql_url: str) -> Project:
+    """A project on each store with a liveness session (MariaDB's tables are dropped after
+    the test by ``table_prefix``)."""
+    return make_project(broker_url, pg_url if request.param == "postgresql" else mysql_url)
 
 
 def _on_host(name: str) -> list[str]:

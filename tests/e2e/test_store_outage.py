@@ -3,13 +3,14 @@
 The outage is real: a throwaway cluster of this test's own (initdb on a free port) is stopped
 with ``pg_ctl stop -m immediate`` while a real ``celery worker`` is checkpointing, and started
 again once the worker has logged that it is retrying. The machine's own server is untouched.
+The outage test also runs on a throwaway MariaDB server, SIGKILLed.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from sqlalchemy import create_engine, text
 
 from celery_resilient.core import codec
 from celery_resilient.testing import EffectLog, wait_for
-from celery_resilient.testing.services import ThrowawayPostgres
+from celery_resilient.testing.services import ThrowawayMariaDB, ThrowawayPostgres
 
 from .conftest import Project
 
@@ -36,11 +37,27 @@ def _store_retries(logs: str, task_id: str) -> int:
                           logs, flags=re.DOTALL))
 
 
+@pytest.fixture(params=["postgresql", "mariadb"])
+def outage_server(request: pytest.FixtureRequest
+                  ) -> Iterator[ThrowawayPostgres | ThrowawayMariaDB]:
+    """A store server of the test's own to take down: PostgreSQL, or MariaDB."""
+    if request.param == "postgresql":
+        yield request.getfixturevalue("throwaway_pg")
+        return
+    server = ThrowawayMariaDB().init()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
 @pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
-def test_postgresql_outage_mid_task_loses_nothing(make_project: Callable[..., Project],
-                                                  broker_url: str,
-                                                  throwaway_pg: ThrowawayPostgres,
-                                                  effect_log: EffectLog) -> None:
+def test_postgresql_outage_mid_task_loses_nothing(
+        make_project: Callable[..., Project], broker_url: str,
+        outage_server: ThrowawayPostgres | ThrowawayMariaDB, effect_log: EffectLog) -> None:
+    """(And the same outage of a MariaDB store: the ``mariadb`` parameter.)"""
+    throwaway_pg = outage_server
     project = make_project(broker_url, throwaway_pg.url)
     project.extra = {"resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2}
     worker = project.worker()

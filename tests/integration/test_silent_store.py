@@ -1,6 +1,7 @@
 """A store that stays connected and answers nothing (a paused pooler, a stalled proxy, a
-frozen server), on a real PostgreSQL behind a link of the test's own that goes silent
-(``celery_resilient.testing.silent_link``): TCP stays up, so no keepalive ever fires.
+frozen server), on a real PostgreSQL (and MariaDB: each test runs on both) behind a link of
+the test's own that goes silent (``celery_resilient.testing.silent_link``): TCP stays up, so
+no keepalive ever fires.
 
 - A bounded store operation fails within its deadline as the store being unavailable, and
   the next one, once the link answers again, succeeds on a fresh connection.
@@ -34,19 +35,28 @@ from celery_resilient.worker.lease import LeaseKeeper
 from .helpers import owner
 
 
+@pytest.fixture(params=["postgresql", "mariadb"])
+def server_url(request: pytest.FixtureRequest, pg_url: str, mysql_url: str) -> str:
+    return pg_url if request.param == "postgresql" else mysql_url
+
+
 @pytest.fixture
-def link(pg_url: str) -> Iterator[SilentLink]:
-    url = make_url(pg_url)
-    silent = SilentLink(url.host or "127.0.0.1", url.port or 5432)
+def link(server_url: str) -> Iterator[SilentLink]:
+    url = make_url(server_url)
+    silent = SilentLink(url.host or "127.0.0.1",
+                        url.port or (5432 if url.get_backend_name() == "postgresql" else 3306))
     yield silent
     silent.close()
 
 
 @pytest.fixture
-def linked_url(pg_url: str, link: SilentLink, pg_store: Store) -> str:
-    """The store's URL through the link (``pg_store`` has migrated the tables)."""
-    return make_url(pg_url).set(host="127.0.0.1", port=link.port).render_as_string(
+def linked_url(server_url: str, link: SilentLink, table_prefix: str) -> Iterator[str]:
+    """The store's URL through the link (its tables migrated directly)."""
+    store = Store(server_url, table_prefix)
+    store.migrate()
+    yield make_url(server_url).set(host="127.0.0.1", port=link.port).render_as_string(
         hide_password=False)
+    store.dispose()
 
 
 def _in_thread(fn: object, bound: float) -> tuple[threading.Thread, dict[str, object]]:

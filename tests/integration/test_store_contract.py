@@ -1,4 +1,5 @@
-"""The store contract: every test runs on SQLite and on PostgreSQL (the ``store`` fixture).
+"""The store contract: every test runs on SQLite, PostgreSQL and MariaDB (the ``store``
+fixture).
 
 Claims, fencing, leases, recovery, checkpoints, steps and the ledger, against the real
 databases; the handles a task body uses are built from ``Execution`` as a worker builds them.
@@ -51,6 +52,29 @@ def test_take_new_key_runs_at_epoch_one(store: Store) -> None:
         "running", 1, "t1", me.node, me.incarnation)
     assert row.lease_expires_at is not None
     assert row.lease_expires_at > store.now() + 25
+
+
+def test_work_keys_compare_exactly(store: Store) -> None:
+    """Case, accents and trailing spaces make different keys on every dialect (MySQL's
+    default collations would fold the first two and pad the last)."""
+    me = owner()
+    keys = ["Key", "key", "key ", "kéy"]
+    for key in keys:
+        assert run(store, key, me).epoch == 1, key
+    assert sorted(w.work_key for w in store.list_work()) == sorted(keys)
+
+
+def test_large_payloads_round_trip(store: Store) -> None:
+    """A checkpoint and a result past 64 KiB (MySQL's TEXT) are kept whole."""
+    claim = run(store, "big", owner())
+    state = codec.encode({"blob": "é" * 300_000})
+    store.save_checkpoint("big", claim.epoch, state)
+    found = store.load_checkpoint("big")
+    assert found is not None and found[0] == state
+    result = codec.encode(["x" * 200_000])
+    store.finish("big", claim.epoch, result)
+    row = store.get_work("big")
+    assert row is not None and row.result_json == result
 
 
 def test_take_of_done_returns_stored_result_without_a_new_epoch(store: Store) -> None:

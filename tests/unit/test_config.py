@@ -189,8 +189,8 @@ def test_sanitize_url_masks_passwords(url: str, expected: str) -> None:
 def test_unsupported_store_dialect_names_the_key() -> None:
     from celery_resilient.store.sql import Store
 
-    with pytest.raises(ConfigurationError, match="resilient_store_url uses the 'mysql' dialect"):
-        Store("mysql://user@127.0.0.1/db")
+    with pytest.raises(ConfigurationError, match="resilient_store_url uses the 'oracle' dialect"):
+        Store("oracle://user@127.0.0.1/db")
 
 
 def test_retention_defaults_and_none_disables() -> None:

@@ -34,6 +34,14 @@ CELERY_APP_SETTING = "RESILIENT_CELERY_APP"  # outside the CELERY namespace on p
 _CONFIGURED = "_celery_resilient_django"
 _POSTGRES_ENGINES = ("django.db.backends.postgresql", "django.contrib.gis.db.backends.postgis")
 _SQLITE_ENGINES = ("django.db.backends.sqlite3", "django.contrib.gis.db.backends.spatialite")
+_MYSQL_ENGINES = ("django.db.backends.mysql", "django.contrib.gis.db.backends.mysql")
+# MySQL connection OPTIONS carried to PyMySQL (strings and numbers only); Django's own
+# ``isolation_level`` is not (the store chooses READ COMMITTED: store/engine.py).
+_MYSQL_OPTIONS = ("charset", "init_command", "connect_timeout", "read_timeout",
+                  "write_timeout", "read_default_file", "read_default_group", "local_infile")
+# Keys of OPTIONS["ssl"] (MySQLdb's form), as SQLAlchemy's MySQL URL query names them.
+_MYSQL_SSL = {"ca": "ssl_ca", "cert": "ssl_cert", "key": "ssl_key", "capath": "ssl_capath",
+              "cipher": "ssl_cipher", "check_hostname": "ssl_check_hostname"}
 # libpq connection parameters that may be carried over from OPTIONS (strings only).
 _LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword",
                   "connect_timeout", "application_name", "options", "target_session_attrs",
@@ -42,10 +50,12 @@ _LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword",
 
 def database_url(alias: str = "default",
                  databases: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-    """The SQLAlchemy URL of Django's database ``alias`` (PostgreSQL or SQLite).
+    """The SQLAlchemy URL of Django's database ``alias`` (PostgreSQL, MySQL or SQLite).
 
     PostgreSQL becomes ``postgresql+psycopg://`` (psycopg 3, the ``postgres`` extra) with
-    the string-valued libpq ``OPTIONS``; SQLite becomes ``sqlite:///<absolute path>``. An
+    the string-valued libpq ``OPTIONS``; MySQL/MariaDB becomes ``mysql+pymysql://`` (the
+    ``mysql`` extra) with its ``charset``, ``init_command``, ``ssl`` and other connection
+    ``OPTIONS``; SQLite becomes ``sqlite:///<absolute path>``. An
     in-memory SQLite database or another engine raises :class:`ConfigurationError`: set
     ``CELERY_RESILIENT_STORE_URL`` then. The returned URL holds the password: log it only
     through :func:`celery_resilient.store.engine.sanitize_url`.
@@ -84,9 +94,42 @@ def database_url(alias: str = "default",
             query=query,
         )
         return url.render_as_string(hide_password=False)
+    if engine in _MYSQL_ENGINES:
+        return _mysql_url(db)
     raise ConfigurationError(
         f"DATABASES[{alias!r}] uses {engine or 'no ENGINE'}; the celery-resilient store runs on "
-        f"PostgreSQL or SQLite: set {SETTINGS_PREFIX}STORE_URL")
+        f"PostgreSQL, MySQL/MariaDB or SQLite: set {SETTINGS_PREFIX}STORE_URL")
+
+
+def _mysql_url(db: Mapping[str, Any]) -> str:
+    """``mysql+pymysql://`` for a Django MySQL database, its connection OPTIONS carried."""
+    options = db.get("OPTIONS") or {}
+    query: dict[str, str] = {}
+    for k in _MYSQL_OPTIONS:
+        value = options.get(k)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            query[k] = str(value)
+    ssl = options.get("ssl")
+    if isinstance(ssl, Mapping):
+        for k, name in _MYSQL_SSL.items():
+            if ssl.get(k) not in (None, ""):
+                query[name] = str(ssl[k]).lower() if isinstance(ssl[k], bool) else str(ssl[k])
+    host = str(db.get("HOST") or "") or None
+    if host is not None and host.startswith("/"):  # a Unix socket path (Django's form)
+        query["unix_socket"] = host
+        host = None
+    port = db.get("PORT")
+    database = db.get("NAME")
+    url = URL.create(
+        "mysql+pymysql",
+        username=db.get("USER") or None,
+        password=db.get("PASSWORD") or None,
+        host=host,
+        port=int(port) if port not in (None, "") else None,
+        database=str(database) if database else None,
+        query=query,
+    )
+    return url.render_as_string(hide_password=False)
 
 
 def configure_from_django(app: Celery, alias: str = "default") -> None:

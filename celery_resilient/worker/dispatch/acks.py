@@ -32,8 +32,9 @@ class AckDeferral:
 
     def __init__(self, rt: Runtime, results: GroupCommit) -> None:
         self.rt = rt
-        #: Whether acknowledgements wait here at all (not on SQLite).
-        self.defers = not rt.store.dialect.is_sqlite
+        #: Whether acknowledgements wait here at all (PostgreSQL only: not on SQLite, nor
+        #: on MySQL, whose every commit waits for its flush).
+        self.defers = rt.store.dialect.group_commits
         #: A flush commits the results handed over, if any (that commit flushes them all).
         self._results = results
         #: Requests whose acknowledgement waits for a flush, and those flushed, with the

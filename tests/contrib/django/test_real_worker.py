@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from celery import Celery
 from django.db import connections
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from celery_resilient.core import codec
 from celery_resilient.store.sql import Store
@@ -67,7 +69,8 @@ def _celery(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedP
     return _run(["celery", "-A", PROJECT, "resilient", *args], env, cwd)
 
 
-def _schema_missing_then_migrated(env: dict[str, str], cwd: Path) -> str:
+def _schema_missing_then_migrated(env: dict[str, str], cwd: Path,
+                                  user: str = "postgres:***@") -> str:
     """Before the migration the celery CLI looks at Django's database (not a SQLite file),
     says the schema is missing there, as JSON, and exits 1, as ``resilient_status`` does;
     the system check names the store and the command. Returns the store as shown."""
@@ -75,7 +78,7 @@ def _schema_missing_then_migrated(env: dict[str, str], cwd: Path) -> str:
     before = _celery("status", "--json", env=env, cwd=cwd)
     assert before.returncode == 1, before.stderr
     data = json.loads(before.stdout)
-    assert data["store"].endswith(f"/{db_name}") and "postgres:***@" in data["store"]
+    assert data["store"].endswith(f"/{db_name}") and user in data["store"]
     assert "is missing" in data["error"] and PASSWORD not in before.stdout
     same = _manage("resilient_status", "--json", env=env, cwd=cwd)
     assert same.returncode == 1
@@ -132,12 +135,47 @@ def _kill_mid_task_and_resume(env: dict[str, str], url: str, log_dir: Path,
         client.close()
 
 
+@pytest.fixture
+def mysql_project(mysql_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """The same project on Django's MySQL backend, in a MariaDB database of its own."""
+    server = make_url(mysql_url)
+    tag = uuid.uuid4().hex[:8]
+    db_name = f"djm_{tag}"
+    admin = create_engine(server)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE DATABASE {db_name} CHARACTER SET utf8mb4"))
+    env = {
+        "DJANGO_SETTINGS_MODULE": f"{PROJECT}.settings",
+        "DJPROJ_DB_ENGINE": "mysql",
+        "DJPROJ_DB_NAME": db_name,
+        "DJPROJ_MYSQL_USER": server.username or "root",
+        "DJPROJ_MYSQL_PASSWORD": server.password or "",
+        "DJPROJ_MYSQL_HOST": server.host or "127.0.0.1",
+        "DJPROJ_MYSQL_PORT": str(server.port or 3306),
+        "DJPROJ_TABLE_PREFIX": f"djw{tag}_",
+        "DJPROJ_QUEUE": f"djproj-{tag}",
+        "PYTHONPATH": os.pathsep.join([str(request.config.rootpath),
+                                       os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        yield env, server.set(database=db_name).render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS {db_name}"))
+        admin.dispose()
+
+
+@pytest.mark.parametrize("engine", ["postgresql", "mysql"])
 def test_worker_manage_py_and_celery_cli_share_django_database(
-        project: Any, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    env, url = project
+        engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """On Django's PostgreSQL backend, and on its MySQL backend (MariaDB)."""
+    env, url = request.getfixturevalue("project" if engine == "postgresql"
+                                       else "mysql_project")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    shown = _schema_missing_then_migrated(env, cwd)
+    shown = _schema_missing_then_migrated(
+        env, cwd, "postgres:***@" if engine == "postgresql" else
+        f"{env['DJPROJ_MYSQL_USER']}@")
     key = _kill_mid_task_and_resume(env, url, tmp_path / "logs", request.config.rootpath)
 
     listed = _celery("work", "--json", env=env, cwd=cwd)

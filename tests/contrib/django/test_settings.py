@@ -137,6 +137,18 @@ def test_celery_app_setting_must_name_a_celery_app(db: Any, settings: Any) -> No
     ({"ENGINE": "django.db.backends.postgresql", "NAME": "shop", "USER": "app",
       "HOST": "/var/run/postgresql", "PORT": "5432"},
      "postgresql+psycopg://app@:5432/shop?host=%2Fvar%2Frun%2Fpostgresql"),
+    ({"ENGINE": "django.db.backends.mysql", "NAME": "shop", "USER": "app",
+      "PASSWORD": "p@ss:w/rd", "HOST": "db.internal", "PORT": "3306",
+      "OPTIONS": {"charset": "utf8mb4", "init_command": "SET sql_mode='STRICT_TRANS_TABLES'",
+                  "isolation_level": "read committed",
+                  "ssl": {"ca": "/etc/ssl/ca.pem", "cert": "/etc/ssl/c.pem",
+                          "key": "/etc/ssl/k.pem"}}},
+     "mysql+pymysql://app:p%40ss%3Aw%2Frd@db.internal:3306/shop?charset=utf8mb4"
+     "&init_command=SET+sql_mode%3D%27STRICT_TRANS_TABLES%27&ssl_ca=%2Fetc%2Fssl%2Fca.pem"
+     "&ssl_cert=%2Fetc%2Fssl%2Fc.pem&ssl_key=%2Fetc%2Fssl%2Fk.pem"),
+    ({"ENGINE": "django.db.backends.mysql", "NAME": "shop", "USER": "app",
+      "HOST": "/run/mysqld/mysqld.sock"},
+     "mysql+pymysql://app@/shop?unix_socket=%2Frun%2Fmysqld%2Fmysqld.sock"),
 ])
 def test_database_url_conversion(db_settings: dict[str, Any], expected: str) -> None:
     url = database_url("default", {"default": db_settings})
@@ -160,6 +172,28 @@ def test_a_unix_socket_host_reaches_the_server_as_django_does() -> None:
         store.dispose()
 
 
+def test_a_mysql_database_reaches_the_server_with_its_options(mysql_url: str) -> None:
+    """Django's MySQL settings (the test server's, from RESILIENT_TEST_MYSQL_URL) become a
+    store URL whose connections carry the OPTIONS: ``init_command`` runs, the charset is
+    utf8mb4, and the store's own session settings (UTC, READ COMMITTED) still apply."""
+    server = make_url(mysql_url)
+    url = database_url("default", {"default": {
+        "ENGINE": "django.db.backends.mysql", "NAME": server.database,
+        "USER": server.username, "PASSWORD": server.password or "",
+        "HOST": server.host, "PORT": str(server.port or 3306),
+        "OPTIONS": {"charset": "utf8mb4", "init_command": "SET @resilient_django = 'on'"}}})
+    store = Store(url, "unused_")
+    try:
+        with store.engine.connect() as conn:
+            row = conn.execute(text(
+                "SELECT @resilient_django, @@character_set_client, @@time_zone, "
+                "@@tx_isolation")).one()
+            conn.rollback()
+        assert tuple(row) == ("on", "utf8mb4", "+00:00", "READ-COMMITTED")
+    finally:
+        store.dispose()
+
+
 def test_database_url_makes_relative_sqlite_paths_absolute(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -170,7 +204,8 @@ def test_database_url_makes_relative_sqlite_paths_absolute(
 
 @pytest.mark.parametrize(("db_settings", "why"), [
     ({"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}, "in-memory"),
-    ({"ENGINE": "django.db.backends.mysql", "NAME": "shop"}, "PostgreSQL or SQLite"),
+    ({"ENGINE": "django.db.backends.oracle", "NAME": "shop"},
+     "PostgreSQL, MySQL/MariaDB or SQLite"),
 ])
 def test_database_url_refuses_what_the_store_cannot_use(
         db_settings: dict[str, Any], why: str) -> None:

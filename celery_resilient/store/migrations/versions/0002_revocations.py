@@ -11,7 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from celery_resilient.store.migrate import table_prefix
+from celery_resilient.store.migrate import table_options, table_prefix
+from celery_resilient.store.schema import SECONDS
 
 revision = "0002"
 down_revision = "0001"
@@ -24,7 +25,8 @@ def upgrade() -> None:
     op.create_table(
         f"{p}revocations",
         sa.Column("task_id", sa.String(255), primary_key=True),
-        sa.Column("created_at", sa.Float, nullable=False),
+        sa.Column("created_at", SECONDS, nullable=False),
+        **table_options(),
     )
     op.create_index(f"ix_{p}revocations_created_at", f"{p}revocations", ["created_at"])
     op.create_index(f"ix_{p}work_task_id", f"{p}work", ["task_id"])
@@ -32,7 +34,8 @@ def upgrade() -> None:
         f"{p}forgotten",
         sa.Column("work_key", sa.String(255), primary_key=True),
         sa.Column("epoch", sa.BigInteger, nullable=False),
-        sa.Column("forgotten_at", sa.Float, nullable=False),
+        sa.Column("forgotten_at", SECONDS, nullable=False),
+        **table_options(),
     )
     op.create_index(f"ix_{p}forgotten_forgotten_at", f"{p}forgotten", ["forgotten_at"])
     with op.batch_alter_table(f"{p}work") as batch:

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from celery_resilient.store.migrate import table_prefix
+from celery_resilient.store.schema import SECONDS
 
 revision = "0003"
 down_revision = "0002"
@@ -21,9 +22,9 @@ depends_on = None
 def upgrade() -> None:
     p = table_prefix()
     with op.batch_alter_table(f"{p}workers") as batch:
-        batch.add_column(sa.Column("lease_expires_at", sa.Float, nullable=True))
+        batch.add_column(sa.Column("lease_expires_at", SECONDS, nullable=True))
         batch.add_column(sa.Column("process", sa.String(255), nullable=True))
-        batch.add_column(sa.Column("draining_at", sa.Float, nullable=True))
+        batch.add_column(sa.Column("draining_at", SECONDS, nullable=True))
 
 
 def downgrade() -> None:

@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from celery_resilient.store.migrate import table_prefix
+from celery_resilient.store.schema import LONG_TEXT, SECONDS
 
 revision = "0005"
 down_revision = "0004"
@@ -42,11 +43,11 @@ COPIED = (("checkpoint_json", "state_json"), ("checkpoint_seq", "seq"),
 def upgrade() -> None:
     p = table_prefix()
     with op.batch_alter_table(f"{p}work") as batch:
-        batch.add_column(sa.Column("checkpoint_json", sa.Text, nullable=True))
+        batch.add_column(sa.Column("checkpoint_json", LONG_TEXT, nullable=True))
         batch.add_column(sa.Column("checkpoint_seq", sa.BigInteger, nullable=False,
                                    server_default="0"))
         batch.add_column(sa.Column("checkpoint_epoch", sa.BigInteger, nullable=True))
-        batch.add_column(sa.Column("checkpoint_at", sa.Float, nullable=True))
+        batch.add_column(sa.Column("checkpoint_at", SECONDS, nullable=True))
     work, cps = f"{p}work", f"{p}checkpoints"
     sets = ", ".join(f"{ours} = (SELECT c.{theirs} FROM {cps} c WHERE c.work_key = "
                      f"{work}.work_key)" for ours, theirs in COPIED)

@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from celery_resilient.store.migrate import table_prefix
+from celery_resilient.store.schema import SECONDS
 
 revision = "0007"
 down_revision = "0006"
@@ -36,7 +37,7 @@ depends_on = None
 def upgrade() -> None:
     p = table_prefix()
     with op.batch_alter_table(f"{p}workers") as batch:
-        batch.add_column(sa.Column("liveness_server", sa.Float, nullable=True))
+        batch.add_column(sa.Column("liveness_server", SECONDS, nullable=True))
         batch.add_column(sa.Column("ended_by", sa.String(16), nullable=True))
 
 

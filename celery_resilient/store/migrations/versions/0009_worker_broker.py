@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from celery_resilient.store.migrate import table_prefix
+from celery_resilient.store.schema import LONG_TEXT
 
 revision = "0009"
 down_revision = "0008"
@@ -25,7 +26,7 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table(f"{table_prefix()}workers") as batch:
-        batch.add_column(sa.Column("broker", sa.Text, nullable=True))
+        batch.add_column(sa.Column("broker", LONG_TEXT, nullable=True))
 
 
 def downgrade() -> None:

@@ -1,0 +1,241 @@
+"""What only the MySQL/MariaDB store has to get right: its sessions' settings, and InnoDB's
+lock conflicts treated as transient (re-run in place, never a task's failure). The contract
+itself runs on MariaDB with every other dialect (``test_store_contract.py``)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pymysql.connections
+import pytest
+from billiard.exceptions import SoftTimeLimitExceeded
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.exc import DBAPIError
+
+from celery_resilient.store import transient
+from celery_resilient.store.sql import SESSION_ALIVE, UNJUDGED, Store
+from celery_resilient.testing.services import ThrowawayMariaDB, drop_prefixed_tables
+from celery_resilient.testing.waiting import wait_for
+
+from .helpers import owner, run, started
+
+
+@pytest.fixture
+def my_store(mysql_url: str, table_prefix: str) -> Iterator[Store]:
+    s = Store(mysql_url, table_prefix)
+    s.migrate()
+    yield s
+    s.dispose()
+    drop_prefixed_tables(mysql_url, table_prefix)
+
+
+@pytest.fixture
+def other(mysql_url: str) -> Iterator[Engine]:
+    """Connections of a concurrent client (another worker, the user's own application)."""
+    engine = create_engine(mysql_url)
+    yield engine
+    engine.dispose()
+
+
+def test_every_store_session_is_utc_read_committed_utf8mb4(my_store: Store) -> None:
+    for engine in my_store.engines:
+        with engine.connect() as conn:
+            row = conn.execute(text("SELECT @@time_zone, @@tx_isolation, "
+                                    "@@character_set_client")).one()
+            conn.rollback()
+        assert tuple(row) == ("+00:00", "READ-COMMITTED", "utf8mb4"), engine
+
+
+def test_a_lock_wait_timeout_is_run_again_in_place(my_store: Store, other: Engine,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A row another transaction holds past ``innodb_lock_wait_timeout`` (1205) is a
+    transient conflict: the heartbeat runs again once the holder lets go, and succeeds."""
+    me = started(my_store, owner())
+
+    @event.listens_for(my_store.engine, "connect")
+    def _short_waits(dbapi_conn: object, _record: object) -> None:
+        cur = dbapi_conn.cursor()  # type: ignore[attr-defined]
+        cur.execute("SET SESSION innodb_lock_wait_timeout = 1")
+        cur.close()
+
+    my_store.engine.dispose()  # the pool's connections get the setting
+    wk = my_store.t.workers
+    caplog.set_level(logging.INFO, logger="celery_resilient.store.guard")
+    holder = other.connect()
+    holder.execute(text(f"SELECT 1 FROM {wk.name} WHERE incarnation = :i FOR UPDATE"),
+                   {"i": me.incarnation})
+
+    def release_after_the_first_rerun() -> None:
+        wait_for(lambda: any(getattr(r, "action", None) == "store_rerun"
+                             for r in caplog.records), 30, "a re-run")
+        holder.rollback()
+
+    releaser = threading.Thread(target=release_after_the_first_rerun)
+    releaser.start()
+    try:
+        assert my_store.heartbeat(me, 30) is True
+    finally:
+        releaser.join(30)
+        holder.close()
+    reruns = [r for r in caplog.records if getattr(r, "action", None) == "store_rerun"]
+    assert reruns and "lock wait timeout (MySQL error 1205)" in reruns[0].getMessage()
+
+
+def test_a_deadlock_innodb_breaks_is_retryable(my_store: Store, other: Engine) -> None:
+    """Two transactions locking two rows in opposite orders: InnoDB rolls one back (1213),
+    which the store classifies as retryable (its operations run it again in place)."""
+    for key in ("a", "b"):
+        my_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", owner(), 30)
+    w = my_store.t.work.name
+    lock = text(f"UPDATE {w} SET attempts = attempts + 1 WHERE work_key = :k")
+    first, second = other.connect(), other.connect()
+    first.execute(lock, {"k": "a"})
+    second.execute(lock, {"k": "b"})
+    errors: list[BaseException] = []
+
+    def cross(conn: object, key: str) -> None:
+        try:
+            conn.execute(lock, {"k": key})  # type: ignore[attr-defined]
+        except DBAPIError as exc:
+            errors.append(exc)
+            conn.rollback()  # type: ignore[attr-defined]
+
+    thread = threading.Thread(target=cross, args=(first, "b"))
+    thread.start()
+    cross(second, "a")
+    thread.join(30)
+    first.rollback()
+    second.rollback()
+    first.close()
+    second.close()
+    assert len(errors) == 1, errors
+    assert transient.mysql_errno(errors[0]) == 1213
+    assert transient.is_retryable(errors[0]) and transient.is_transient(errors[0])
+    assert transient.describe(errors[0]) == "deadlock found (MySQL error 1213)"
+
+
+def test_the_per_task_statements_are_one_round_trip_each(
+        my_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on PostgreSQL: the take (its UPDATE, the read of its row and COMMIT in one packet),
+    a checkpoint save and the finish each cost one command to the server, counted at the
+    driver on a pooled connection (the counter wraps PyMySQL's command, it changes nothing)."""
+    me = started(my_store, owner())
+    for key in ("warm", "k"):
+        my_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", me, 30)
+    warm = run(my_store, "warm", me, task_id="tid-warm")  # the autocommit pool connects
+    my_store.finish("warm", warm.epoch, None)
+    sent: list[str] = []
+    command = pymysql.connections.Connection._execute_command
+
+    def counted(self: object, cmd: int, sql: object) -> object:
+        sent.append(sql.decode() if isinstance(sql, bytes) else str(sql))
+        return command(self, cmd, sql)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", counted)
+    claim = run(my_store, "k", me, task_id="tid-k")
+    assert len(sent) == 1 and sent[0].startswith("START TRANSACTION; UPDATE"), sent
+    sent.clear()
+    assert my_store.save_checkpoint("k", claim.epoch, '{"row": 1}') == 1
+    assert len(sent) == 1, sent
+    sent.clear()
+    my_store.finish("k", claim.epoch, '"ok"')
+    assert len(sent) == 1, sent
+    monkeypatch.undo()
+    row = my_store.get_work("k")
+    assert row is not None and (row.state, row.epoch, row.result_json) == ("done", 1, '"ok"')
+    assert my_store.load_checkpoint("k") == ('{"row": 1}', 1)
+
+
+def _interrupt(*_: object) -> None:
+    raise SoftTimeLimitExceeded()  # from a signal handler, as billiard raises it
+
+
+@pytest.mark.parametrize("path", ["begin", "single", "reading"])
+def test_an_interrupt_mid_statement_reaches_the_caller_and_no_reply_is_served_twice(
+        my_store: Store, path: str) -> None:
+    """A soft time limit raised while PyMySQL waits for a reply: the caller sees it, and the
+    connection left mid-reply never answers another call (the next ones read their own)."""
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(SoftTimeLimitExceeded), getattr(my_store, path)() as conn:
+            conn.execute(text("SELECT SLEEP(2)"))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    for n in range(4):
+        with getattr(my_store, path)() as conn:
+            assert conn.execute(text("SELECT :n"), {"n": n}).scalar_one() == n
+
+
+def test_statement_listeners_see_each_statement_of_the_take(my_store: Store) -> None:
+    """With a tracer listening (OpenTelemetry, Sentry), the take is sent statement by
+    statement inside its own transaction, so the tracer sees each one."""
+    seen: list[str] = []
+
+    def listen(_c: object, _cur: object, statement: str, *_: object) -> None:
+        seen.append(statement.split(maxsplit=1)[0])
+
+    for engine in my_store.engines:
+        event.listen(engine, "before_cursor_execute", listen)
+    me = started(my_store, owner())
+    my_store.record_receipt("k", "proj.task", "tid-k", None, "{}", me, 30)
+    seen.clear()
+    claim = run(my_store, "k", me, task_id="tid-k")
+    assert seen == ["START", "UPDATE", "SELECT", "COMMIT"] and claim.epoch == 1
+    row = my_store.get_work("k")
+    assert row is not None and (row.state, row.epoch, row.incarnation) == (
+        "running", 1, me.incarnation)
+
+
+HOLDER = """
+import sys, time
+from celery_resilient.store.liveness import session_lock
+lock = session_lock(sys.argv[1], sys.argv[2], sys.argv[3])
+print(lock.acquire(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_restart_frees_every_lock_and_proves_nothing(table_prefix: str) -> None:
+    """A restart (or a failover) frees every named lock: a lock taken before it proves
+    nothing (the recorded server start no longer matches), the pool's dead connections are
+    replaced on use, and the store says the server has just started. (Starts are known to
+    the second: a server restarted within 2 s of its previous start is not told apart, so
+    this one has run for 3 s first; docs/reliability.md.)"""
+    server = ThrowawayMariaDB().init()
+    server.start()
+    store = Store(server.url, table_prefix)
+    holder: subprocess.Popen[str] | None = None
+    try:
+        store.migrate()
+        me, other = owner("w@a"), owner("w@b")
+        for who in (me, other):
+            store.register(who, "", 30)
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, server.url, table_prefix,
+                                   other.incarnation], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None
+        store.record_liveness(other, float(holder.stdout.readline()))
+        assert store.prove_dead(other.incarnation) == SESSION_ALIVE
+        assert store.lock_suspects(me, 0) == [other.incarnation]
+        wait_for(lambda: (store.up_for() or 0) >= 3, 30, "the server's first 3 s")
+        server.stop_immediately()
+        server.start()
+        up = store.up_for()  # a pooled connection died with the server: replaced on use
+        assert up is not None and up < 60
+        assert store.lock_suspects(me, 0) == []
+        assert store.prove_dead(other.incarnation) == UNJUDGED, "a lock the restart freed"
+        assert run(store, "k", me).epoch == 1
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+            assert holder.stdout is not None
+            holder.stdout.close()
+        store.dispose()
+        server.destroy()
