@@ -772,6 +772,9 @@ class Chaos:
         store, f = self.store, self.figures
         bad: list[str] = []
         t = store.t
+        # The chaos phase may have restarted PostgreSQL after the pool's last use: its
+        # connections would fail the first read, so the check starts from fresh ones.
+        store.engine.dispose()
         with store.engine.connect() as conn:
             work = {r.work_key: r for r in conn.execute(select(t.work)).all()}
             steps = {(r.work_key, r.name): codec.decode(r.result_json)
