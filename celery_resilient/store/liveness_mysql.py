@@ -40,6 +40,7 @@ from sqlalchemy.pool import NullPool
 
 from celery_resilient.store import deadlines
 from celery_resilient.store.engine import MYSQL_SESSION, sanitize_url
+from celery_resilient.store.held_session import HeldSession
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,11 @@ def _connect_args(url: str, deadline: float) -> dict[str, Any]:
     return {k: v for k, v in args.items() if k not in parsed.query}
 
 
-class MySQLSessionLock:
+class MySQLSessionLock(HeldSession):
     """This incarnation's liveness lock, on a connection of its own (never pooled); the
     interface of :class:`.liveness.SessionLock`."""
+
+    read_server_start = staticmethod(server_start)
 
     def __init__(self, url: str, key: int, deadline: float, detects_after: int) -> None:
         self.url = url
@@ -127,10 +130,6 @@ class MySQLSessionLock:
 
     def __repr__(self) -> str:
         return f"MySQLSessionLock({sanitize_url(self.url)!r}, key={self.key})"
-
-    @property
-    def held(self) -> bool:
-        return self._conn is not None and self.server is not None
 
     def acquire(self) -> float | None:
         """Open the session and take the lock; the server start, or None if another session
@@ -153,36 +152,6 @@ class MySQLSessionLock:
         self._conn = conn
         self.last_ok = time.monotonic()
         return self.server
-
-    def ping(self) -> float:
-        """A round trip on the session; the server start it answers from. Raises when the
-        session is gone (the lock with it)."""
-        if self._conn is None:
-            raise ConnectionError("the liveness session is not open")
-        with deadlines.bounded(self.deadline) as scope:
-            deadlines.watch(self._conn.connection.dbapi_connection)
-            try:
-                start = server_start(self._conn)
-            except Exception:
-                if scope is not None and scope.expired:
-                    raise ConnectionError(f"the liveness session did not answer within "
-                                          f"{self.deadline:g}s") from None
-                raise
-        self.last_ok = time.monotonic()
-        return start
-
-    def drop(self) -> None:
-        """Close the session (the server frees the lock)."""
-        conn, self._conn, self.server = self._conn, None, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception as exc:  # already broken: nothing more to free
-                log.debug("closing the liveness session: %s", exc)
-
-    def dispose(self) -> None:
-        self.drop()
-        self.engine.dispose()
 
 
 __all__ = ["SAME_SERVER_WITHIN", "MySQLSessionLock", "held_by_this_backend",
