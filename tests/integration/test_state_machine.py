@@ -136,6 +136,8 @@ class Stored:
     created_at: float
     updated_at: float
     error: str | None
+    #: The lease's deadline as stored (the order MySQL's sweep walks claims in).
+    lease_at: float | None = None
 
     @property
     def state(self) -> str:
@@ -325,7 +327,9 @@ class StoreMachine(RuleBasedStateMachine):
                         r.owner_pid, lease, int(r.attempts), int(r.deaths), int(r.republished),
                         r.message_json, r.result_json, int(r.retries),
                         r.error == REVOKE_LIST_ERROR)
-            found[r.work_key] = Stored(unit, float(r.created_at), float(r.updated_at), r.error)
+            found[r.work_key] = Stored(unit, float(r.created_at), float(r.updated_at), r.error,
+                                       None if r.lease_expires_at is None
+                                       else float(r.lease_expires_at))
         self.last_read = found
         return found
 
@@ -786,8 +790,14 @@ class StoreMachine(RuleBasedStateMachine):
         assert len(taken) == min(limit, len(candidates)), (
             f"sweep (limit {limit}) took {sorted(taken)} of orphans {sorted(candidates)}")
         if taken and taken != candidates:
-            assert max(before[k].created_at for k in taken) <= min(
-                before[k].created_at for k in candidates - taken), "sweep skipped older work"
+            def age(k: str) -> tuple[Any, ...]:
+                if self.store.dialect.is_mysql:  # it walks the (state, lease) index in order
+                    lease_at = before[k].lease_at
+                    return (before[k].state, lease_at is not None, lease_at or 0.0)
+                return (before[k].created_at,)
+
+            assert max(age(k) for k in taken) <= min(
+                age(k) for k in candidates - taken), "sweep skipped older work"
         for o in orphans:
             b = before[o.work_key]
             assert b.state in OPEN_STATES, f"sweep re-published {b.state} work {o.work_key}"
