@@ -12,6 +12,7 @@ from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.config import ResilientConfig
 from celery_resilient.store.sql import Claim, Store, TakeOutcome
 from celery_resilient.tasks.execution import Execution
+from celery_resilient.testing import wait_for
 
 __all__ = ["Owner", "died", "execution", "expire", "expire_incarnation", "owner", "run",
            "started", "take"]
@@ -85,3 +86,14 @@ def expire(store: Store, key: str, seconds_ago: float = 60.0) -> None:
     past = store.now() - seconds_ago
     with store.begin() as conn:
         conn.execute(update(w).where(w.c.work_key == key).values(lease_expires_at=past))
+
+
+def past_updates(store: Store, *keys: str) -> None:
+    """Wait until the store's clock has moved past the last update of ``keys``: a reconcile
+    with ``grace_seconds=0`` lets go only of claims strictly older than its now, and SQLite's
+    clock has millisecond steps (a take and a reconcile can share one)."""
+    def moved() -> bool:
+        rows = [store.get_work(k) for k in keys]
+        return all(r is not None for r in rows) and store.now() > max(
+            r.updated_at for r in rows if r is not None)
+    wait_for(moved, 5, f"the store's clock to pass the updates of {keys}")

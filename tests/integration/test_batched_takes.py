@@ -13,7 +13,7 @@ from celery_resilient.core.states import UNSTARTED_PID
 from celery_resilient.store.batched_takes import Finish, Started, TakeRequest
 from celery_resilient.store.sql import Receipt, Store
 
-from .helpers import died, never_live, owner, run, started, take
+from .helpers import died, never_live, owner, past_updates, run, started, take
 
 
 def request(key: str, task_id: str | None = None, retries: int = 0,
@@ -165,6 +165,7 @@ def test_a_worker_cut_off_from_its_broker_lets_unstarted_claims_go(store: Store)
 def test_reconcile_keeps_unstarted_claims_of_held_requests(store: Store) -> None:
     me = started(store, owner())
     batch(store, me, request("held"), request("gone"))
+    past_updates(store, "held", "gone")
     assert store.reconcile(me, pid_alive=lambda pid: False,
                            held=frozenset({"tid-held"}), executing=frozenset(),
                            grace_seconds=0) == 1

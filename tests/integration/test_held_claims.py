@@ -17,7 +17,7 @@ from celery_resilient.core.identity import EAGER_SUFFIX, Owner, pid_alive
 from celery_resilient.runtime.receipts import UnackedDeliveries
 from celery_resilient.store.sql import Receipt, Store
 
-from .helpers import expire, owner, run, started
+from .helpers import expire, owner, past_updates, run, started
 
 
 def test_unheld_reserved_claims_lapse_and_are_re_published(store: Store) -> None:
@@ -66,6 +66,7 @@ def test_a_claim_whose_result_waits_for_the_group_commit_is_not_let_go(store: St
     me = started(store, owner("w@host"))
     run(store, "finishing", me, task_id="t-fin")
     run(store, "ended", me, task_id="t-ended")
+    past_updates(store, "finishing", "ended")
     assert store.reconcile(me, executing=frozenset(), grace_seconds=0,
                            finishing=frozenset({"finishing"})) == 1
     assert store.get_work("finishing").state == "running"  # type: ignore[union-attr]
