@@ -75,6 +75,15 @@ TAKEN_COLUMNS = ("work_key", "epoch", "attempts", "deaths", "checkpoint_json",
                  "old_seq")
 
 
+def take_params(t: TakeRequest, node: str, inc: str, lease: float,
+                max_attempts: int) -> dict[str, Any]:
+    """The bound values of one take's single-row statements (SQLite's and MySQL's batches)."""
+    return {"key": t.work_key, "name": t.task_name, "task_id": t.task_id,
+            "digest": t.args_digest, "retries": t.retries, "supersedes": t.supersedes,
+            "message": t.message_json, "node": node, "inc": inc, "lease": lease,
+            "max_attempts": max_attempts}
+
+
 class BatchedTakes:
     """The batch take and the started marks, as SQL for one store's tables."""
 
@@ -272,11 +281,7 @@ class BatchedTakes:
                                 "inc": inc})
             rows: list[dict[str, Any]] = []
             for t in takes:
-                params = {"key": t.work_key, "name": t.task_name, "task_id": t.task_id,
-                          "digest": t.args_digest, "retries": t.retries,
-                          "supersedes": t.supersedes, "message": t.message_json,
-                          "node": node, "inc": inc, "lease": lease,
-                          "max_attempts": max_attempts}
+                params = take_params(t, node, inc, lease, max_attempts)
                 row = cursor.execute(self.sqlite_update, params).fetchone()
                 if row is None:
                     row = cursor.execute(self.sqlite_insert, params).fetchone()

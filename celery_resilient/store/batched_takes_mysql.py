@@ -20,7 +20,13 @@ from typing import Any
 from sqlalchemy import Connection
 
 from celery_resilient.core.states import REQUEUED, RESERVED, RUNNING, UNSTARTED_PID
-from celery_resilient.store.batched_takes import TAKEN_COLUMNS, Finish, Started, TakeRequest
+from celery_resilient.store.batched_takes import (
+    TAKEN_COLUMNS,
+    Finish,
+    Started,
+    TakeRequest,
+    take_params,
+)
 from celery_resilient.store.dialect import ER_DUP_ENTRY, Dialect
 
 
@@ -89,11 +95,7 @@ class MySQLBatchedTakes:
                                {"key": s.work_key, "epoch": s.epoch, "pid": s.pid, "inc": inc})
             rows: list[dict[str, Any]] = []
             for t in takes:
-                params = {"key": t.work_key, "name": t.task_name, "task_id": t.task_id,
-                          "digest": t.args_digest, "retries": t.retries,
-                          "supersedes": t.supersedes, "message": t.message_json,
-                          "node": node, "inc": inc, "lease": lease,
-                          "max_attempts": max_attempts}
+                params = take_params(t, node, inc, lease, max_attempts)
                 if cursor.execute(self.update, params) == 1:
                     cursor.execute(self.taken, params)
                     row = cursor.fetchone()
