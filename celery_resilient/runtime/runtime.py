@@ -37,6 +37,12 @@ class Dispatcher(Protocol):
     def finishing(self) -> frozenset[str]: ...
 
 
+class Gate(Protocol):
+    """The worker's consumption gate (worker/backpressure.py): told when the store is down."""
+
+    def store_down(self, reason: str) -> None: ...
+
+
 class Runtime:
     """Settings (read lazily, once: the app may be configured after this object is made),
     the store (created and schema-checked on first use, per process), and the buffers the
@@ -64,6 +70,8 @@ class Runtime:
         self.broker_lost_at: float | None = None
         #: The worker's batched takes (worker/dispatch/), when its pool gets them.
         self.dispatcher: Dispatcher | None = None
+        #: The worker's consumption gate, while its worker runs.
+        self.gate: Gate | None = None
         setattr(app, _ATTR, self)
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import states
 from celery.worker import state as worker_state
@@ -11,6 +12,7 @@ from celery.worker.request import Request
 
 from celery_resilient.core import codec
 from celery_resilient.core.states import FAILED
+from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.outcomes import Outcome
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.tasks import replay
@@ -64,12 +66,22 @@ class ResumableRequest(Request):  # type: ignore[misc]
         self._released(was)
 
     def on_retry(self, exc_info: Any) -> None:
-        """A retry or a store-outage re-send: its copy is in flight to take the claim."""
+        """A retry or a store-outage re-send: its copy is in flight to take the claim. A
+        re-send because the store is down pauses consumption at once (its gate resumes it
+        after the maintainer's next round that reaches the store): waiting for the
+        maintainer to notice lets the worker churn through the backlog, re-sending each
+        message, for as long as a round takes to fail."""
         super().on_retry(exc_info)
         rt = Runtime.enabled_on(self.task.app)
         if rt is not None:
             cfg = rt.config
             rt.resent.add(self.id, 2 * cfg.store_retry_max + cfg.lease_seconds)
+            retry = exc_info.exception
+            if isinstance(retry, ExceptionWithTraceback):  # from a pool process
+                retry = retry.exc
+            cause = getattr(retry, "exc", None)
+            if isinstance(cause, StoreUnavailable) and rt.gate is not None:
+                rt.gate.store_down(str(cause))
 
     def _released(self, was_acknowledged: bool) -> None:
         if was_acknowledged or not self.acknowledged:

@@ -159,7 +159,7 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         checks.refuse_foreign_brokers(rt, owner, broker)
         self.keeper = LeaseKeeper(rt, owner)
         self.keeper.start()
-        gate = ConsumptionGate(worker)
+        gate = rt.gate = ConsumptionGate(worker)
         self.guard = FencingGuard(rt, owner, self.keeper, gate=gate)
         self.guard.open_session()
         self.guard.start()
@@ -228,6 +228,8 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self._stop_dispatch()
         maintainer, keeper, guard = self.maintainer, self.keeper, self.guard
         self.maintainer = self.keeper = self.guard = None
+        if maintainer is not None:
+            maintainer.rt.gate = None
         celery_signals.worker_shutting_down.disconnect(self._on_shutting_down)
         celery_signals.worker_shutdown.disconnect(self._on_shutdown)
         if maintainer is None:

@@ -91,6 +91,7 @@ def test_store_outage_pauses_consumption_and_keeps_the_backlog_in_the_broker(
                       and _held_by_worker(project, worker) == 0), 60,
              f"all {TASKS} messages back in the broker and none held by the worker")
     resent = _count(RESENT, logs())
+    print(f"{resent} of {TASKS} tasks re-sent before the pause")
     assert resent < TASKS // 2, f"{resent} of {TASKS} tasks were consumed before the pause"
     if broker_url.startswith("redis"):
         queued = _redis_messages(broker_url, project.queue)

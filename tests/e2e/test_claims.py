@@ -327,13 +327,16 @@ def test_a_hand_off_after_the_tasks_expires_passed_still_finishes_the_work(
     ``expires`` bars a start, and plain Celery finishes such a task in its drain; a hand-off
     that kept ``expires`` had its copy discarded as expired, the work left ``expired`` half done."""
     project = make_project(redis_url)
-    first = project.worker(name="first", concurrency=1)
-    project.worker(name="second", concurrency=1)
+    workers = [project.worker(name=name, concurrency=1) for name in ("first", "second")]
     key = project.send("ingest", 40, 0.1, task_id="job-expires", expires=2)
     wait_for(lambda: effect_log.count(f"start:{key}") == 1, 30, "the job to start")
+    # either worker may have received it: stop the one whose pool process runs it
+    pid = effect_log.entries(f"start:{key}")[0]["pid"]
+    running = wait_for(lambda: next((w for w in workers if pid in w.process.children()), None),
+                       10, f"the worker whose pool runs pid {pid}")
     # past its expires (2 s after it was sent) and well before its end (4 s of rows)
     wait_for(lambda: _checkpointed(project, key) >= 25, 30, "the job to run past its expires")
-    first.process.kill("SIGTERM", group=False)
+    running.process.kill("SIGTERM", group=False)
     wait_for(lambda: project.state(key) in TERMINAL_STATES, 60, "the job to end")
     assert project.state(key) == "done", project.store.get_work(key)
     assert effect_log.count(f"start:{key}") == 2, "the hand-off did not resume elsewhere"
