@@ -47,6 +47,11 @@ class SerializationError(ResilientError):
     """A value cannot be stored as JSON."""
 
 
+class PayloadTooLarge(ResilientError, ValueError):
+    """A statement carrying a value (a result, a step's or a ledger effect's result, a
+    checkpoint, a context or a task's message) is larger than the store's server accepts."""
+
+
 class WorkKeyConflict(ResilientError):
     """The same work key was sent with different arguments."""
 

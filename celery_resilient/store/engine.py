@@ -18,7 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DisconnectionError, NoSuchModuleError
 
 from celery_resilient.errors import ConfigurationError
-from celery_resilient.store import deadlines
+from celery_resilient.store import deadlines, packet_limit
 from celery_resilient.store.dialect import check_server
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -129,6 +129,7 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
             cur.execute(MYSQL_AUTOCOMMIT_ISOLATION)
         cur.close()
 
+    packet_limit.install(engine)
     return engine
 
 

@@ -110,6 +110,12 @@ def _register_stream_tasks(app: Celery, effects: EffectLog) -> None:
         effects.record(f"short:{self.work_key}")
         return n * 2
 
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.sized")
+    def sized(self: ResumableTask, size: int) -> str:
+        """One effect, then a result of ``size`` characters."""
+        effects.record(f"sized:{self.work_key}")
+        return "x" * size
+
     @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.retried")
     def retried(self: ResumableTask, n: int) -> int:
         """One effect per try; the first try retries in 0.2 s, the second returns."""

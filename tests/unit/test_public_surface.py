@@ -13,8 +13,8 @@ from celery_resilient.runtime.config import ResilientConfig
 
 PUBLIC_NAMES = {
     "CheckpointError", "ConfigurationError", "Context", "ContextConflict", "ContextNotFound",
-    "ContextStore", "LedgerKeyError", "Resilient", "ResilientConfig", "ResilientError",
-    "ResumableTask", "SchemaError", "SerializationError", "StaleClaimError",
+    "ContextStore", "LedgerKeyError", "PayloadTooLarge", "Resilient", "ResilientConfig",
+    "ResilientError", "ResumableTask", "SchemaError", "SerializationError", "StaleClaimError",
     "StoreUnavailable", "WorkDead", "WorkKeyConflict", "WorkStopped",
 }
 SETTINGS = {

@@ -1,0 +1,99 @@
+"""A statement larger than the MySQL server's ``max_allowed_packet`` is refused before it is sent.
+
+The server answers such a packet with error 1153 and closes the connection, and a client
+still writing it sees the connection drop (2006): both read as a store outage, so the task
+would be re-sent with backoff for ever and a step's function run again on every attempt.
+Measured before sending, it is bad input instead: :class:`PayloadTooLarge`, naming the store
+operation, the statement's size and the server's limit, raised before anything is written.
+
+Both MySQL drivers interpolate the bound values into the statement's text on the client,
+each string quoted and its ``\\0 \\n \\r \\x1a ' " \\\\`` escaped with a backslash, so the
+size sent is known exactly. Most statements are far below the limit: a bound of four bytes
+per character (UTF-8's widest) decides them without encoding anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+from celery_resilient.errors import PayloadTooLarge
+from celery_resilient.store import transient
+
+#: Where each pooled connection keeps its session's ``max_allowed_packet``.
+INFO_KEY = "max_allowed_packet"
+#: The characters both drivers' escaping prefixes with a backslash.
+_ESCAPED = ("\\", "'", '"', "\0", "\n", "\r", "\x1a")
+
+
+def install(engine: Engine) -> None:
+    """Read each new connection's packet limit; check every statement against it."""
+
+    @event.listens_for(engine, "connect")
+    def _read_limit(dbapi_conn: Any, record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute("SELECT @@max_allowed_packet")
+            row = cur.fetchone()
+        finally:
+            cur.close()
+        record.info[INFO_KEY] = int(row[0])
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _check(conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,
+               executemany: bool) -> None:
+        limit = conn.info.get(INFO_KEY)
+        if limit is not None:
+            check(statement, parameters, executemany, int(limit))
+
+
+def check(statement: str, parameters: Any, executemany: bool, limit: int) -> None:
+    """Raise :class:`PayloadTooLarge` if the statement as sent would exceed ``limit`` bytes
+    (an executemany's rows are sent one per statement at the most)."""
+    rows: Iterable[Any] = parameters if executemany else (parameters,)
+    for row in rows:
+        values = _values(row)
+        if 4 * len(statement) + sum(_bound(v) for v in values) < limit:
+            continue
+        size = 1 + len(statement.encode()) + sum(_sent_size(v) for v in values)  # +1: command
+        if size > limit:
+            largest = max((_sent_size(v) for v in values), default=0)
+            raise PayloadTooLarge(
+                f"store operation {transient.current_operation('a statement')!r} not run: its "
+                f"statement would be {size:,} bytes (its largest value {largest:,}), over the "
+                f"MySQL server's max_allowed_packet of {limit:,} bytes. Keep results, step "
+                "and ledger results, checkpoints, contexts and task arguments smaller (store "
+                "large data elsewhere and pass a reference), or raise max_allowed_packet on "
+                "the server; nothing was written")
+
+
+def _values(row: Any) -> Sequence[Any]:
+    if row is None:
+        return ()
+    if isinstance(row, Mapping):
+        return list(row.values())
+    if isinstance(row, (list, tuple)):
+        return row
+    return (row,)
+
+
+def _bound(value: Any) -> int:
+    """At least the bytes ``value`` takes in the statement, cheaply."""
+    if isinstance(value, str):
+        return 4 * len(value) + 2
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return 2 * len(value) + 10  # _binary'...', each byte escaped at the most
+    return 64  # numbers, dates, NULL
+
+
+def _sent_size(value: Any) -> int:
+    """The bytes ``value`` takes in the statement as the driver writes it."""
+    if isinstance(value, str):
+        return len(value.encode()) + sum(value.count(c) for c in _ESCAPED) + 2
+    return _bound(value)
+
+
+__all__ = ["INFO_KEY", "check", "install"]

@@ -1,0 +1,110 @@
+"""A value larger than the MySQL server's ``max_allowed_packet`` is bad input, not an outage.
+
+The server drops such a packet (error 1153, or the connection when the client is still
+writing it: 2006), which read as a store outage and re-sent the task for ever. The store now
+measures each statement as the driver sends it and refuses it with :class:`PayloadTooLarge`
+before anything is written; the connection stays usable, and values under the limit pass.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pymysql.converters import escape_item  # type: ignore[import-untyped]
+from sqlalchemy import text
+
+from celery_resilient.core import codec
+from celery_resilient.errors import PayloadTooLarge, StoreUnavailable
+from celery_resilient.store import packet_limit
+from celery_resilient.store.sql import Store
+from celery_resilient.testing.services import drop_prefixed_tables
+
+from .helpers import owner, run, take
+
+MiB = 1024 * 1024
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_the_size_counted_is_the_size_the_driver_sends(value: str) -> None:
+    """Every character class the escaping touches (quotes, backslashes, NUL, newlines,
+    ^Z) and every UTF-8 width: the count is PyMySQL's literal, byte for byte."""
+    assert packet_limit._sent_size(value) == len(escape_item(value, "utf8mb4").encode())
+    assert packet_limit._bound(value) >= packet_limit._sent_size(value)
+
+
+def test_an_executemany_is_judged_row_by_row() -> None:
+    rows = [{"m": "x" * 600}, {"m": "y" * 600}]
+    packet_limit.check("INSERT INTO t VALUES (%(m)s)", rows, True, 1000)  # each row fits
+    with pytest.raises(PayloadTooLarge, match="over the MySQL server's max_allowed_packet"):
+        packet_limit.check("INSERT INTO t VALUES (%(m)s)", [*rows, {"m": "z" * 990}], True, 1000)
+
+
+@pytest.fixture
+def my_store(mysql_url: str, table_prefix: str) -> Iterator[Store]:
+    s = Store(mysql_url, table_prefix)
+    s.migrate()
+    yield s
+    s.dispose()
+    drop_prefixed_tables(mysql_url, table_prefix)
+
+
+def _limit(store: Store) -> int:
+    with store.engine.connect() as conn:
+        value = int(conn.execute(text("SELECT @@max_allowed_packet")).scalar_one())
+        conn.rollback()
+    return value
+
+
+def test_an_oversized_result_is_refused_and_the_claim_stays_open(my_store: Store) -> None:
+    who = owner()
+    claim = run(my_store, "big-result", who)
+    limit = _limit(my_store)
+    with pytest.raises(PayloadTooLarge, match=rf"'Store\.finish'.*max_allowed_packet of {limit:,}"):
+        my_store.finish("big-result", claim.epoch, json.dumps("x" * limit))
+    row = my_store.get_work("big-result")
+    assert row is not None and row.state == "running" and row.result_json is None
+    # the same pooled connections go on: a result just under the limit is stored
+    fits = json.dumps("x" * (limit - 4096))
+    my_store.finish("big-result", claim.epoch, fits)
+    row = my_store.get_work("big-result")
+    assert row is not None and row.state == "done" and row.result_json == fits
+
+
+def test_an_oversized_message_takes_no_claim(my_store: Store) -> None:
+    limit = _limit(my_store)
+    big = json.dumps({"body": "a" * limit})
+    with pytest.raises(PayloadTooLarge, match=r"'Store\.take'"):
+        my_store.take("big-args", "proj.task", "tid-big", None, owner(), 30.0, 5,
+                      lambda *_: True, message_if_new=lambda: big)
+    assert my_store.get_work("big-args") is None
+    assert take(my_store, "big-args", owner()).action == "run"  # nothing half-written
+
+
+def test_text_outside_the_bmp_is_measured_after_both_escapings(my_store: Store) -> None:
+    """A step result of 5.2 MB of UTF-8 emoji: JSON escapes each as 12 characters and the
+    driver doubles their backslashes, 17 MiB on the wire: refused, not dropped by the
+    server. Before the step nothing is written, and the work can still finish."""
+    who = owner()
+    claim = run(my_store, "emoji", who)
+    value = codec.encode("\N{GRINNING FACE}" * 1_300_000, "result of step 'emoji'")
+    assert len(value.encode()) < 16 * MiB < packet_limit._sent_size(value)
+    with pytest.raises(PayloadTooLarge, match=r"'Store\.put_step'"):
+        my_store.put_step("emoji", claim.epoch, "emoji", value)
+    assert my_store.get_step("emoji", "emoji") is None
+    my_store.finish("emoji", claim.epoch, json.dumps("ok"))
+    row = my_store.get_work("emoji")
+    assert row is not None and row.state == "done"
+
+
+def test_the_refusal_is_not_an_outage(my_store: Store) -> None:
+    """What made the task re-send itself for ever: the error must not be StoreUnavailable."""
+    claim = run(my_store, "not-outage", owner())
+    with pytest.raises(PayloadTooLarge) as caught:
+        my_store.save_checkpoint("not-outage", claim.epoch, json.dumps("c" * _limit(my_store)))
+    assert not isinstance(caught.value, StoreUnavailable)
+    assert isinstance(caught.value, ValueError)
