@@ -153,13 +153,26 @@ class BatchedTakes:
              "revoked_among": " AND r.task_id = ANY(%(task_ids)s::text[])"}
         # The statement's parts: only those a batch has rows for are sent (below), because
         # planning is most of what a small batch costs the server.
+        # The marks' rows a transaction holds are skipped (a body's ledger.atomic() holds
+        # its row until it commits): the batch must not wait on it with every other
+        # delivery's take behind it. They come back as held (below), for a later batch.
+        self._marked = (
+            f"marked AS (SELECT work_key FROM {work} "
+            "WHERE work_key = ANY(%(mark_keys)s::text[]) FOR NO KEY UPDATE SKIP LOCKED)")
+        self._held = (
+            "SELECT NULL::boolean, k, NULL::bigint, NULL::int, NULL::int, NULL::text, "
+            "NULL::bigint, NULL::bigint, NULL::bigint, NULL::text, NULL::bigint "
+            "FROM unnest(%(mark_keys)s::text[]) AS k "
+            "WHERE k NOT IN (SELECT work_key FROM marked) "
+            f"AND EXISTS (SELECT 1 FROM {work} w WHERE w.work_key = k)")
         self._started = (
             f"started AS (UPDATE {work} AS w SET owner_pid = s.pid "
             "FROM (SELECT e->>0 AS work_key, (e->>1)::bigint AS epoch, (e->>2)::int AS pid "
             "FROM json_array_elements(%(started)s::json) AS e) AS s "
             f"WHERE w.work_key = s.work_key AND w.epoch = s.epoch AND w.state = '{RUNNING}' "
             f"AND w.owner_pid = {UNSTARTED_PID} "
-            "AND w.work_key = ANY(%(started_keys)s::text[]) RETURNING 1)")
+            "AND w.work_key = ANY(%(started_keys)s::text[]) "
+            "AND w.work_key IN (SELECT work_key FROM marked) RETURNING 1)")
         self._lost = (
             f"lost AS (UPDATE {work} AS w SET incarnation = NULL, owner_pid = NULL, "
             f"lease_expires_at = {now} "
@@ -167,7 +180,7 @@ class BatchedTakes:
             "FROM json_array_elements(%(lost)s::json) AS e) AS l "
             f"WHERE w.work_key = l.work_key AND w.epoch = l.epoch AND w.state = '{RUNNING}' "
             "AND w.incarnation = %(inc)s AND w.work_key = ANY(%(lost_keys)s::text[]) "
-            "RETURNING 1)")
+            "AND w.work_key IN (SELECT work_key FROM marked) RETURNING 1)")
         self._takes = (
             # The rows come as JSON arrays of arrays (one parameter each): psycopg dumps a
             # text in C where a list of texts costs Python work per element.
@@ -203,7 +216,8 @@ class BatchedTakes:
         made = self._pg_statements.get(parts)
         if made is not None:
             return made
-        ctes = [sql for sql, wanted in ((self._started, started), (self._lost, lost),
+        ctes = [sql for sql, wanted in ((self._marked, started or lost),
+                                        (self._started, started), (self._lost, lost),
                                         (self._takes, takes), (self._finishes, finishes))
                 if wanted]
         # A data-modifying CTE runs to completion whether or not the query reads it.
@@ -214,6 +228,8 @@ class BatchedTakes:
             selects.append("SELECT false, work_key, NULL::bigint, NULL::int, NULL::int, "
                            "NULL::text, NULL::bigint, NULL::bigint, NULL::bigint, NULL::text, "
                            "NULL::bigint FROM fin")
+        if started or lost:
+            selects.append(self._held)
         made = (f"WITH {', '.join(ctes)} " if ctes else "") + (
             " UNION ALL ".join(selects) if selects else "SELECT false WHERE false")
         self._pg_statements[parts] = made
@@ -221,11 +237,14 @@ class BatchedTakes:
 
     def run(self, conn: Connection, takes: Sequence[TakeRequest], started: Sequence[Started],
             node: str, inc: str, lease: float, max_attempts: int,
-            finishes: Sequence[Finish] = ()) -> tuple[list[dict[str, Any]], set[str]]:
+            finishes: Sequence[Finish] = (), deferred: list[Started] | None = None,
+            ) -> tuple[list[dict[str, Any]], set[str]]:
         """Take what can be taken of ``takes`` (one row each, unique keys), mark ``started``
         and commit ``finishes`` (PostgreSQL only; keys apart from those of the takes and
         marks: one row is changed once per statement); the rows taken, as dicts of
         :data:`TAKEN_COLUMNS`, and the keys finished (a finish whose claim moved on is not).
+        A mark whose row another transaction holds is not written (nor waited for) but
+        appended to ``deferred``, on PostgreSQL and MySQL; SQLite has one writer.
 
         PostgreSQL: ``conn`` is autocommitted and the statement is its own transaction.
         SQLite: ``conn`` is inside a writing transaction the caller commits."""
@@ -247,6 +266,7 @@ class BatchedTakes:
             "keys": [t.work_key for t in takes], "task_ids": [t.task_id for t in takes],
             "started_keys": [s.work_key for s in started if s.pid is not None],
             "lost_keys": [s.work_key for s in started if s.pid is None],
+            "mark_keys": list({s.work_key for s in started}),
             "finishes": json.dumps([[f.work_key, f.epoch, f.result_json] for f in finishes]),
             "finish_keys": [f.work_key for f in finishes],
             "node": node, "inc": inc, "lease": lease, "max_attempts": max_attempts,
@@ -258,12 +278,16 @@ class BatchedTakes:
             cursor.execute(self.pg_statement(
                 bool(params["started_keys"]), bool(params["lost_keys"]), bool(takes),
                 bool(finishes)), params)
-            taken, finished = [], set()
+            taken, finished, held = [], set(), set()
             for row in cursor.fetchall():
-                if row[0]:
+                if row[0] is None:
+                    held.add(row[1])
+                elif row[0]:
                     taken.append(dict(zip(TAKEN_COLUMNS, row[1:], strict=True)))
                 else:
                     finished.add(row[1])
+            if held and deferred is not None:
+                deferred.extend(s for s in started if s.work_key in held)
             return taken, finished
         finally:
             cursor.close()

@@ -233,12 +233,15 @@ class Claims(Incarnations):
 
     def take_batch(self, takes: Sequence[TakeRequest], started: Sequence[Started],
                    owner: Owner, lease_seconds: float, max_attempts: int,
-                   finishes: Sequence[Finish] = ()) -> tuple[dict[str, Claim], set[str]]:
+                   finishes: Sequence[Finish] = (), deferred: list[Started] | None = None,
+                   ) -> tuple[dict[str, Claim], set[str]]:
         """The worker's main process takes the claims of many deliveries at once (see
         :mod:`celery_resilient.store.batched_takes`) and marks ``started`` claims; returns
         the claims taken by work key, and the keys of ``finishes`` committed ``done`` (the
         group commit of results pool processes handed over; PostgreSQL). A key not returned
-        is left to its pool process's careful :meth:`take`.
+        is left to its pool process's careful :meth:`take`. A mark whose row another
+        transaction holds (a running body's ``ledger.atomic()``) is not waited for: it is
+        appended to ``deferred``, for a later batch (SQLite has one writer).
 
         Not ``guarded``: a failure is left to the caller, which then dispatches the batch
         without claims (each pool process takes its own, with its store-outage handling);
@@ -247,16 +250,12 @@ class Claims(Incarnations):
         """
         if not takes and not started and not finishes:
             return {}, set()
-        if self.dialect.is_sqlite or self.dialect.is_mysql:  # a transaction of statements
-            with self.begin() as conn:
-                rows, finished = self._batched.run(conn, takes, started, owner.node,
-                                                   owner.incarnation, lease_seconds,
-                                                   max_attempts, finishes)
-        else:
-            with self.single() as conn:
-                rows, finished = self._batched.run(conn, takes, started, owner.node,
-                                                   owner.incarnation, lease_seconds,
-                                                   max_attempts, finishes)
+        # SQLite and MySQL: a transaction of statements; PostgreSQL: one statement.
+        one_statement = not (self.dialect.is_sqlite or self.dialect.is_mysql)
+        with self.single() if one_statement else self.begin() as conn:
+            rows, finished = self._batched.run(conn, takes, started, owner.node,
+                                               owner.incarnation, lease_seconds, max_attempts,
+                                               finishes, deferred)
         claims: dict[str, Claim] = {}
         for row in rows:
             view = RowView(row)

@@ -116,6 +116,19 @@ def _register_stream_tasks(app: Celery, effects: EffectLog) -> None:
         effects.record(f"sized:{self.work_key}")
         return "x" * size
 
+    @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.held_atomic")
+    def held_atomic(self: ResumableTask, until_exists: str) -> str:
+        """A ``ledger.atomic()`` block (its work row locked) held until a file exists."""
+        with self.ledger.atomic() as tx:
+            if not tx.applied:
+                tx.execute(text("SELECT 1"))
+                effects.record(f"atomic-held:{self.work_key}")
+                deadline = time.monotonic() + 120
+                while not os.path.exists(until_exists) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        effects.record(f"atomic-end:{self.work_key}")
+        return "held"
+
     @app.task(base=ResumableTask, bind=True, shared=False, name="tests.e2e.proj.retried")
     def retried(self: ResumableTask, n: int) -> int:
         """One effect per try; the first try retries in 0.2 s, the second returns."""

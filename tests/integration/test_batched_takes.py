@@ -5,6 +5,9 @@ Every test runs on SQLite, PostgreSQL and MariaDB (the ``store`` fixture)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from sqlalchemy import insert, update
 
@@ -237,3 +240,44 @@ def test_every_combination_of_a_batch_s_parts_does_each_part_s_work(
         (None, None) if with_lost else (UNSTARTED_PID, me.incarnation))
     assert f is not None and f.state == ("done" if with_finishes else "running")
     assert (t is not None and t.state == "running") == with_takes
+
+
+def test_a_mark_on_a_row_a_transaction_holds_waits_for_a_later_batch_not_the_batch(
+        store: Store) -> None:
+    """A body's ``ledger.atomic()`` holds its work row (its fence) until it commits. A
+    started mark of that row must not make the batch wait on it, with every other delivery's
+    take behind it: the mark is skipped (``deferred``), the rest is written at once, and the
+    mark is written by a batch after the block ended."""
+    if store.dialect.is_sqlite:
+        pytest.skip("SQLite has one writer: a held transaction blocks every batch by design")
+    me = started(store, owner())
+    epoch = batch(store, me, request("held"))["held"]
+    release = threading.Event()
+    fenced = threading.Event()
+
+    def atomic_block() -> None:
+        with store.begin() as conn:
+            store.fence(conn, "held", epoch)  # the row lock a ledger.atomic() block holds
+            fenced.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=atomic_block)
+    holder.start()
+    try:
+        assert fenced.wait(10)
+        deferred: list[Started] = []
+        began = time.monotonic()
+        claims, _ = store.take_batch([request("other")], [Started("held", epoch, 4242)], me,
+                                     30.0, 5, deferred=deferred)
+        took = time.monotonic() - began
+        assert set(claims) == {"other"} and deferred == [Started("held", epoch, 4242)]
+        assert took < 5, f"the batch waited {took:.1f}s on the held row"
+        held = store.get_work("held")
+        assert held is not None and held.owner_pid == UNSTARTED_PID
+    finally:
+        release.set()
+        holder.join(10)
+    later: list[Started] = []
+    store.take_batch([], deferred, me, 30.0, 5, deferred=later)
+    held = store.get_work("held")
+    assert later == [] and held is not None and held.owner_pid == 4242

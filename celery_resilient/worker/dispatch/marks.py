@@ -3,7 +3,8 @@
 The pool accepting a request marks its claim started (the pool process's PID becomes its
 ``owner_pid``); a pool process dying while it runs one clears the owner (the next take counts
 the death). Marks ride with the next batch of takes, or get one of their own when none came
-within :data:`STARTED_DELAY`.
+within :data:`STARTED_DELAY`. A mark whose row a transaction holds (a running body's
+``ledger.atomic()``) is skipped by the batch and tried again later, so no batch waits on it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from celery_resilient.store.batched_takes import Started
 
 #: The longest a started mark waits for a batch of takes to travel with.
 STARTED_DELAY = 0.05
+#: How long a mark whose row a transaction held waits before a statement of its own tries
+#: it again (it also rides with any batch of takes before then).
+HELD_RETRY = 1.0
 
 
 class StartMarks:
@@ -37,6 +41,19 @@ class StartMarks:
             if first:
                 self.since = time.monotonic()
         return first
+
+    def defer(self, marks: list[Started]) -> None:
+        """Keep ``marks``, which a batch skipped because a transaction held their rows, for
+        a later statement: :data:`HELD_RETRY` from now unless other marks go sooner. A mark
+        that came in since (a death after the start) is newer and kept instead."""
+        if not marks:
+            return
+        with self._lock:
+            first = not self._marks
+            for mark in marks:
+                self._marks.setdefault((mark.work_key, mark.epoch), mark)
+            if first:
+                self.since = time.monotonic() + HELD_RETRY - STARTED_DELAY
 
     def waiting(self) -> bool:
         return bool(self._marks)

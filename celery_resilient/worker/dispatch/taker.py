@@ -18,7 +18,7 @@ from typing import Any
 from celery_resilient.core import codec, killpoints, messages, workkey
 from celery_resilient.core.identity import Owner
 from celery_resilient.runtime.runtime import Runtime
-from celery_resilient.store.batched_takes import TakeRequest
+from celery_resilient.store.batched_takes import Started, TakeRequest
 from celery_resilient.store.sql import Claim
 from celery_resilient.tasks import handed_claims
 from celery_resilient.tasks.task import SUPERSEDES_HEADER
@@ -66,9 +66,12 @@ class BatchTaker:
             fins = list(results.finishes.values())
             marks = self._marks.take(superseded=results.finishes)
             takes, keys, later = self._sort(batch)
+            held: list[Started] = []
             try:
                 claims, finished = self.rt.store.take_batch(
-                    takes, marks, self.owner, cfg.lease_seconds, cfg.max_attempts, fins)
+                    takes, marks, self.owner, cfg.lease_seconds, cfg.max_attempts, fins,
+                    deferred=held)
+                self._marks.defer(held)
             except Exception as exc:  # the results wait for the next statement
                 log.warning("batched take of %d request(s) failed (%s: %s); their pool "
                             "processes take their own claims", len(takes), type(exc).__name__,
