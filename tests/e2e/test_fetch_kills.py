@@ -29,6 +29,7 @@ import redis
 from celery_resilient.broker import keys
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.nodes import LocalWorker
+from celery_resilient.testing.services import drop_prefixed_tables
 
 from .conftest import Project
 
@@ -270,3 +271,17 @@ def test_random_sigkills_on_redis_with_its_defaults(
 def test_random_sigkills_on_rabbitmq(make_project: Callable[..., Project], amqp_url: str,
                                      effect_log: EffectLog) -> None:
     _campaign(make_project(amqp_url), effect_log, kills=50, seed=2)
+
+
+def test_random_sigkills_on_rabbitmq_with_a_mariadb_store(
+        make_project: Callable[..., Project], amqp_url: str, mysql_url: str,
+        table_prefix: str, effect_log: EffectLog) -> None:
+    """The store's side of the campaigns on MariaDB: on RabbitMQ what a killed worker held
+    comes back through the store's claims (the dead worker's session proves it gone). On
+    Redis it comes back from the worker's holding in the broker, whatever the store."""
+    project = make_project(amqp_url, mysql_url)
+    try:
+        _campaign(project, effect_log, kills=50, seed=4)
+    finally:
+        project.close()
+        drop_prefixed_tables(mysql_url, table_prefix)

@@ -19,6 +19,7 @@ from celery_resilient.store.sql import Store
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.plugin import NodeFactory
+from celery_resilient.testing.services import drop_prefixed_tables
 
 APP = "tests.chaos.chaosproj"
 
@@ -58,23 +59,30 @@ class Env:
 
 
 @pytest.fixture
-def make_env(table_prefix: str, resilient_nodes: NodeFactory, pg_url: str,
+def make_env(table_prefix: str, resilient_nodes: NodeFactory, pg_url: str, mysql_url: str,
              queue_name: str) -> Iterator[Callable[..., Env]]:
+    """Envs on the machine's PostgreSQL, or on a store URL given; ``"mariadb"`` names the
+    machine's MariaDB (its tables dropped afterwards)."""
     made: list[Env] = []
 
     def make(broker: str, store_url: str | None = None) -> Env:
-        env = Env(resilient_nodes, broker, store_url or pg_url, table_prefix, queue_name)
+        url = mysql_url if store_url == "mariadb" else store_url or pg_url
+        env = Env(resilient_nodes, broker, url, table_prefix, queue_name)
         made.append(env)
         return env
 
     yield make
     for env in made:
         env.close()
+        if env.store_url == mysql_url:
+            drop_prefixed_tables(mysql_url, table_prefix)
 
 
+@pytest.mark.parametrize("store", ["postgresql", "mariadb"])
 def test_poison_message_is_parked_dead_and_the_worker_survives(
-        make_env: Callable[..., Env], redis_url: str, effect_log: EffectLog) -> None:
-    env = make_env(redis_url)
+        make_env: Callable[..., Env], redis_url: str, store: str,
+        effect_log: EffectLog) -> None:
+    env = make_env(redis_url, "mariadb" if store == "mariadb" else None)
     env.store.migrate()
     env.extra = {"resilient_max_attempts": 3}
     worker = env.worker()
@@ -104,12 +112,14 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.parametrize("store", ["postgresql", "mariadb"])
 def test_a_message_that_kills_its_whole_worker_is_parked_dead(
-        make_env: Callable[..., Env], redis_url: str, effect_log: EffectLog) -> None:
+        make_env: Callable[..., Env], redis_url: str, store: str,
+        effect_log: EffectLog) -> None:
     """A body that SIGKILLs its whole worker (main process included) 0.3 s in, every time:
     each death counts (the claim was marked started well before), and after
     ``resilient_max_attempts`` the work is parked instead of killing the worker for ever."""
-    env = make_env(redis_url)
+    env = make_env(redis_url, "mariadb" if store == "mariadb" else None)
     env.store.migrate()
     env.extra = {"resilient_max_attempts": 3}
     worker = env.worker()
@@ -159,13 +169,16 @@ def _killed_at_then_done(env: Env, tmp_path: Path, point: str, task: str, *args:
     return worker, key
 
 
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+@pytest.mark.parametrize(("broker", "store"), [("redis", "postgresql"),
+                                               ("rabbitmq", "postgresql"),
+                                               ("redis", "mariadb")])
 def test_kill_points_after_effect_and_before_ack(make_env: Callable[..., Env], broker: str,
-                                                 redis_url: str, amqp_url: str,
+                                                 store: str, redis_url: str, amqp_url: str,
                                                  tmp_path: Path, effect_log: EffectLog) -> None:
     """RESILIENT_KILL_AT: the whole worker dies right after a step's effect (before its marker),
     then right after a task's result commits (before the broker ack)."""
-    env = make_env(redis_url if broker == "redis" else amqp_url)
+    env = make_env(redis_url if broker == "redis" else amqp_url,
+                   "mariadb" if store == "mariadb" else None)
     env.store.migrate()
     worker, _ = _killed_at_then_done(env, tmp_path, "after_effect:2", "steps", 0.0,
                                      task_id="kp-steps")
