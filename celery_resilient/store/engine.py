@@ -7,6 +7,7 @@ the parent's sockets.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -14,12 +15,14 @@ import weakref
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DisconnectionError, NoSuchModuleError
 
 from celery_resilient.errors import ConfigurationError
 from celery_resilient.store import deadlines, packet_limit
 from celery_resilient.store.dialect import check_server
+
+log = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "resilient_write"
@@ -66,6 +69,31 @@ MYSQL_SESSION = "SET time_zone = '+00:00'"
 MYSQL_AUTOCOMMIT_ISOLATION = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 
 
+def utf8mb4_url(url: str) -> URL:
+    """``url`` with the character set the store connects with: always ``utf8mb4``. A URL (or
+    Django's ``OPTIONS``) naming another (``utf8``/``utf8mb3``, Django's old default;
+    ``latin1``) would make a task id, key or ledger key outside it fail the statement, and a
+    batch of takes with it; the server converts between the connection's character set and
+    each column's, so the user's own tables written in ``ledger.atomic()`` keep theirs.
+    Replaced with a warning, once per URL."""
+    parsed = make_url(url)
+    query = dict(parsed.query)
+    given = str(query.get("charset", "utf8mb4"))
+    if given.lower() != "utf8mb4":
+        with _charset_lock:
+            if url not in _charset_warned:
+                _charset_warned.add(url)
+                log.warning("the store connects with charset utf8mb4, not %s as its URL "
+                            "says: task ids, keys and payloads may hold any character",
+                            given, extra={"action": "store_charset"})
+    query["charset"] = "utf8mb4"
+    return parsed.set(query=query)
+
+
+_charset_warned: set[str] = set()
+_charset_lock = threading.Lock()
+
+
 def _mysql_engine(url: str, autocommit: bool) -> Engine:
     """A MySQL/MariaDB engine (``mysql+pymysql://``, ``mysql+mysqldb://``).
 
@@ -85,8 +113,7 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
       silent server would hang it. The autocommit engine of the per-task statements also
       sends no rollback when a connection goes back to the pool (a connection that raised
       anything there is dropped instead: ``Database._autocommitted``).
-    - ``utf8mb4``, whatever the server's default (``utf8``/``utf8mb3`` cannot store every
-      character a task name, key or JSON payload may hold).
+    - ``utf8mb4``, whatever the server's default or the URL says (:func:`utf8mb4_url`).
     - the session time zone is UTC (``MYSQL_SESSION``): the store's clock does not depend
       on it (``Dialect.now`` reads ``UTC_TIMESTAMP(6)``), but any date a statement or an
       operator's query derives from it is then UTC, as on the other dialects.
@@ -96,10 +123,7 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
     take sends its UPDATE, the read of the row it locked and the COMMIT as one round trip
     (:mod:`.hot_mysql`). Only the store's own statements run there, every value bound.
     """
-    parsed = make_url(url)
-    query = dict(parsed.query)
-    query.setdefault("charset", "utf8mb4")
-    engine = create_engine(parsed.set(query=query),
+    engine = create_engine(utf8mb4_url(url),
                            isolation_level="AUTOCOMMIT" if autocommit else "READ COMMITTED",
                            pool_reset_on_return=None if autocommit else "rollback",
                            pool_size=2 if autocommit else 5,

@@ -39,7 +39,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from celery_resilient.store import deadlines
-from celery_resilient.store.engine import MYSQL_SESSION, sanitize_url
+from celery_resilient.store.engine import MYSQL_SESSION, sanitize_url, utf8mb4_url
 from celery_resilient.store.held_session import HeldSession
 
 log = logging.getLogger(__name__)
@@ -117,10 +117,7 @@ class MySQLSessionLock(HeldSession):
         self.key = key
         self.deadline = deadline
         self.detects_after = detects_after
-        parsed = make_url(url)
-        query = dict(parsed.query)
-        query.setdefault("charset", "utf8mb4")
-        self.engine: Engine = create_engine(parsed.set(query=query), poolclass=NullPool,
+        self.engine: Engine = create_engine(utf8mb4_url(url), poolclass=NullPool,
                                             isolation_level="AUTOCOMMIT",
                                             connect_args=_connect_args(url, deadline))
         deadlines.install(self.engine)

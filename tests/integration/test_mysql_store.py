@@ -18,6 +18,7 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError
 
 from celery_resilient.store import transient
+from celery_resilient.store.batched_takes import TakeRequest
 from celery_resilient.store.sql import SESSION_ALIVE, UNJUDGED, Store
 from celery_resilient.testing.services import ThrowawayMariaDB, drop_prefixed_tables
 from celery_resilient.testing.waiting import wait_for
@@ -239,3 +240,33 @@ def test_a_server_restart_frees_every_lock_and_proves_nothing(table_prefix: str)
             holder.stdout.close()
         store.dispose()
         server.destroy()
+
+
+@pytest.mark.parametrize("charset", ["utf8", "utf8mb3", "latin1"])
+def test_a_url_naming_a_narrower_charset_still_stores_any_character(
+        mysql_url: str, table_prefix: str, charset: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Django's old default OPTIONS charset ``utf8`` (utf8mb3), or ``latin1``: the store's
+    sessions are ``utf8mb4`` all the same (with a warning naming the change), so a task id
+    and a work key outside the narrower set are taken by a batch and stored as given."""
+    url = f"{mysql_url}{'&' if '?' in mysql_url else '?'}charset={charset}"
+    s = Store(url, table_prefix)
+    try:
+        with caplog.at_level(logging.WARNING, logger="celery_resilient.store.engine"):
+            s.migrate()
+        assert f"charset utf8mb4, not {charset}" in caplog.text
+        for engine in s.engines:
+            with engine.connect() as conn:
+                assert conn.execute(text("SELECT @@character_set_client")).scalar_one() \
+                    == "utf8mb4"
+                conn.rollback()
+        key = "order-\N{GRINNING FACE}-\u00e9\u4e2d"
+        me = started(s, owner())
+        take = TakeRequest(key, "proj.task", f"tid-{key}", 0, None, None, '{"m": 1}')
+        claims, _ = s.take_batch([take], [], me, 30.0, 5)
+        assert set(claims) == {key}
+        row = s.get_work(key)
+        assert row is not None and row.task_id == f"tid-{key}" and row.state == "running"
+    finally:
+        s.dispose()
+        drop_prefixed_tables(mysql_url, table_prefix)
