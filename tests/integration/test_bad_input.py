@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from celery import Celery
 
+from celery_resilient import Resilient, ResumableTask
 from celery_resilient.core import codec
 from celery_resilient.errors import (
     CheckpointError,
@@ -192,3 +194,28 @@ def test_fenced_writes_inside_atomic_are_refused_not_deadlocked(store: Store, wr
     assert store.ledger_get("k:atomic") is None, "the block was rolled back with the error"
     Checkpoint(x).save({"row": 1})  # after the block, the same write works
     assert store.load_checkpoint("k") is not None
+
+
+@pytest.mark.parametrize("too_long", ["name", "id"])
+def test_a_task_name_or_id_longer_than_the_store_keeps_is_refused_by_name(
+        store: Store, too_long: str) -> None:
+    """On every dialect a name or id over 255 characters is refused before the take, with
+    what and how long, and no row is written (the database's own refusal named neither)."""
+    app = Celery("long-names", broker="memory://", set_as_current=False)
+    app.conf.update(resilient_store_url=store.url, resilient_table_prefix=store.prefix,
+                    task_store_eager_result=False)
+    Resilient(app)
+    name = "n" * 256 if too_long == "name" else "proj.short"
+    ran: list[int] = []
+
+    @app.task(base=ResumableTask, bind=True, shared=False, name=name)
+    def short(self: ResumableTask) -> int:
+        ran.append(1)
+        return 1
+
+    task_id = "i" * 256 if too_long == "id" else "short-id"
+    result = short.apply(task_id=task_id, headers={"work_key": "long-names-key"})
+    assert result.failed() and ran == []
+    assert isinstance(result.result, ResilientError)
+    assert f"the task {too_long} " in str(result.result) and "256 chars" in str(result.result)
+    assert store.get_work("long-names-key") is None and store.get_work(task_id) is None

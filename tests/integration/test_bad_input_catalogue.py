@@ -25,6 +25,9 @@ Cases and where they are proven (no case is tested twice):
  17   a claim whose pool process died is not kept alive           here
  18   malformed kill-point spec (RESILIENT_KILL_AT)               here
  19   checkpoint outside a running task                           here
+ 20   a task name or id longer than the store keeps (255)         test_bad_input.py
+ 21   a value over MySQL's max_allowed_packet                     test_packet_limit.py,
+                                                                  e2e/test_packet_limit.py
 ====  ==========================================================  =================================
 """
 
