@@ -20,6 +20,8 @@ from typing import Any
 from sqlalchemy import Connection
 
 from celery_resilient.core.states import REQUEUED, RESERVED, RUNNING, UNSTARTED_PID
+from celery_resilient.errors import PayloadTooLarge
+from celery_resilient.store import packet_limit
 from celery_resilient.store.batched_takes import (
     TAKEN_COLUMNS,
     Finish,
@@ -110,6 +112,11 @@ class MySQLBatchedTakes:
                     assert row is not None  # locked by this transaction's UPDATE
                     rows.append(dict(zip(TAKEN_COLUMNS, row, strict=True)))
                     continue
+                try:
+                    # the driver's cursor: no listener checks the message's size
+                    packet_limit.enforce(conn, self.insert, params)
+                except PayloadTooLarge:
+                    continue  # its pool process's careful take refuses it, by name
                 try:
                     inserted = cursor.execute(self.insert, params)
                 except errors.IntegrityError as exc:

@@ -28,6 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError
 
 from celery_resilient.core.states import REQUEUED, RESERVED, RUNNING
+from celery_resilient.store import packet_limit
 from celery_resilient.store.dialect import Dialect
 
 
@@ -197,9 +198,11 @@ class HotStatements:
 
 
 def _instrumented(conn: Connection) -> bool:
-    """Whether someone listens to this engine's statements or errors (cheap: list checks)."""
-    return bool(conn.dispatch.before_cursor_execute or conn.dispatch.after_cursor_execute
-                or conn.dialect.dispatch.handle_error)
+    """Whether someone listens to this engine's statements or errors (cheap: list checks),
+    the store's own packet check aside (its fast paths call it themselves)."""
+    return bool(any(fn is not packet_limit.listener
+                    for fn in conn.dispatch.before_cursor_execute)
+                or conn.dispatch.after_cursor_execute or conn.dialect.dispatch.handle_error)
 
 
 def _on_psycopg(conn: Connection, sql: str, params: dict[str, Any]) -> HotResult:

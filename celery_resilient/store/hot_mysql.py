@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, String, bindparam, func, literal_column, select
 from sqlalchemy.exc import DBAPIError
 
+from celery_resilient.store import packet_limit
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.hot import HotResult, HotStatements, _instrumented
 
@@ -78,10 +79,11 @@ class MySQLHotStatements(HotStatements):
 
     def _take_in_one_packet(self, conn: Connection, params: dict[str, Any]) -> HotResult:
         sql, defaults = self._packet(conn)
+        bound = {**defaults, **params}
+        packet_limit.enforce(conn, sql, bound)  # the driver's cursor: no listener sees it
         raw = conn.connection.dbapi_connection
         assert raw is not None
         cursor = raw.cursor()
-        bound = {**defaults, **params}
         try:
             cursor.execute(sql, bound)  # START TRANSACTION
             cursor.nextset()  # the UPDATE

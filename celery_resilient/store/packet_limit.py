@@ -42,12 +42,23 @@ def install(engine: Engine) -> None:
             cur.close()
         record.info[INFO_KEY] = int(row[0])
 
-    @event.listens_for(engine, "before_cursor_execute")
-    def _check(conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,
-               executemany: bool) -> None:
-        limit = conn.info.get(INFO_KEY)
-        if limit is not None:
-            check(statement, parameters, executemany, int(limit))
+    event.listen(engine, "before_cursor_execute", listener, retval=True)
+
+
+def listener(conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,
+             executemany: bool) -> tuple[str, Any]:
+    """The engine's ``before_cursor_execute`` hook (``retval``: SQLAlchemy calls it as is,
+    so the store's fast paths know it from a user's listener)."""
+    enforce(conn, statement, parameters, executemany)
+    return statement, parameters
+
+
+def enforce(conn: Any, statement: str, parameters: Any, executemany: bool = False) -> None:
+    """:func:`check` against ``conn``'s limit: what the fast paths call before they send on
+    the driver's own cursor, which no listener sees."""
+    limit = conn.info.get(INFO_KEY)
+    if limit is not None:
+        check(statement, parameters, executemany, int(limit))
 
 
 def check(statement: str, parameters: Any, executemany: bool, limit: int) -> None:
@@ -96,4 +107,4 @@ def _sent_size(value: Any) -> int:
     return _bound(value)
 
 
-__all__ = ["INFO_KEY", "check", "install"]
+__all__ = ["INFO_KEY", "check", "enforce", "install", "listener"]

@@ -20,10 +20,11 @@ from sqlalchemy import text
 from celery_resilient.core import codec
 from celery_resilient.errors import PayloadTooLarge, StoreUnavailable
 from celery_resilient.store import packet_limit
+from celery_resilient.store.batched_takes import TakeRequest
 from celery_resilient.store.sql import Store
 from celery_resilient.testing.services import drop_prefixed_tables
 
-from .helpers import owner, run, take
+from .helpers import owner, run, started, take
 
 MiB = 1024 * 1024
 
@@ -108,3 +109,19 @@ def test_the_refusal_is_not_an_outage(my_store: Store) -> None:
         my_store.save_checkpoint("not-outage", claim.epoch, json.dumps("c" * _limit(my_store)))
     assert not isinstance(caught.value, StoreUnavailable)
     assert isinstance(caught.value, ValueError)
+
+
+def test_a_batch_leaves_an_oversized_message_to_its_careful_take(my_store: Store) -> None:
+    """The batched takes send on the driver's own cursor, which no listener sees: the batch
+    measures each new key's message itself and leaves one over the limit untaken (its pool
+    process's careful take refuses it by name); the rest of the batch is taken."""
+    limit = _limit(my_store)
+    me = started(my_store, owner())
+    big = TakeRequest("big", "proj.task", "tid-big", 0, None, None, "m" * limit)
+    small = TakeRequest("small", "proj.task", "tid-small", 0, None, None, '{"m": 1}')
+    claims, _ = my_store.take_batch([big, small], [], me, 30.0, 5)
+    assert set(claims) == {"small"}
+    assert my_store.get_work("big") is None
+    with pytest.raises(PayloadTooLarge, match=r"'Store\.take'"):
+        my_store.take("big", "proj.task", "tid-big", None, me, 30.0, 5, lambda *_: True,
+                      message_if_new=lambda: big.message_json)
