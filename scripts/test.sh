@@ -29,7 +29,8 @@ fi
 #  - parallel: everything but what follows, in $RUNNERS processes (pytest-xdist), each with a
 #    Redis database and a RabbitMQ virtual host of its own (tests/conftest.py);
 #  - alone: the tests marked `alone` (timing bounds a busy machine overruns), one at a time,
-#    after the parallel phase;
+#    after the parallel phase; then the Django tests once more with Django's database on
+#    MySQL (MariaDB), its settings chosen per process (RESILIENT_TEST_DJANGO_DB);
 #  - celery_compat: Celery's own integration suite, which waits far more than it computes, on
 #    Redis servers of its own, beside both, niced.
 # Each phase is bounded: past its limit it is interrupted (SIGINT to the phase's whole process
@@ -95,14 +96,25 @@ if [ -z "$interrupted" ]; then
 fi
 alone="$(minutes $((SECONDS - start))), status $alone_status"
 
+start=$SECONDS
+django_status=0
+if [ -z "$interrupted" ]; then
+  echo "== pytest, the Django tests once more, on MySQL (MariaDB): Django's other database"
+  RESILIENT_TEST_DJANGO_DB=mysql limited 5m "${PYTEST[@]}" --basetemp="$TMP/django-mysql" \
+    tests/contrib/django
+  running+=($!)
+  finish $! "pytest (Django on MySQL)" 5m || django_status=$?
+fi
+django_mysql="$(minutes $((SECONDS - start))), status $django_status"
+
 compat_status=0
 finish "$compat" "pytest tests/celery_compat" 35m >>"$compat_log" || compat_status=$?
 compat_took=$(minutes $(($(stat -c %Y "$compat_log") - compat_start)))
 echo "== pytest tests/celery_compat (Celery's integration suite, run beside the rest)"
 cat "$compat_log"
-echo "== pytest times: parallel $parallel; alone $alone; celery_compat $compat_took," \
-  "status $compat_status (beside them)"
+echo "== pytest times: parallel $parallel; alone $alone; Django on MySQL $django_mysql;" \
+  "celery_compat $compat_took, status $compat_status (beside them)"
 if [ -n "$interrupted" ]; then exit 130; fi
-for s in "$status" "$alone_status" "$compat_status"; do
+for s in "$status" "$alone_status" "$django_status" "$compat_status"; do
   if [ "$s" -ne 0 ]; then exit "$s"; fi
 done

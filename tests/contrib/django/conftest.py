@@ -17,6 +17,7 @@ import pytest
 from celery import Celery
 from django.conf import settings
 from django.core.management import call_command
+from sqlalchemy import create_engine, text
 
 from celery_resilient import Resilient
 from celery_resilient.contrib.django import configure_from_django
@@ -24,7 +25,24 @@ from celery_resilient.contrib.django import configure_from_django
 from . import celeryapp
 from . import settings as test_settings
 
+
+def _mysql_user() -> None:
+    """The password-protected account the MySQL settings name (a password proves it is never
+    logged; the machine's root has none): allowed to create the per-session test database."""
+    db = test_settings.DATABASES["default"]
+    engine = create_engine(f"mysql+pymysql://root@{db['HOST']}:{db['PORT']}/")
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"CREATE USER IF NOT EXISTS '{db['USER']}'@'%' "
+                              f"IDENTIFIED BY '{db['PASSWORD']}'"))
+            conn.execute(text(f"GRANT ALL PRIVILEGES ON *.* TO '{db['USER']}'@'%'"))
+    finally:
+        engine.dispose()
+
+
 if not settings.configured:
+    if test_settings.engine_under_test == "mysql":
+        _mysql_user()
     settings.configure(**{k: getattr(test_settings, k) for k in dir(test_settings)
                           if k.isupper()})
     django.setup()

@@ -14,17 +14,37 @@ DEBUG = False
 USE_TZ = True
 TIME_ZONE = "UTC"
 ALLOWED_HOSTS = ["testserver"]
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.postgresql",
-        "NAME": "test",
-        "USER": "postgres",
-        "PASSWORD": "s3cret-not-for-logs",
-        "HOST": os.environ.get("RESILIENT_TEST_PG_HOST", "127.0.0.1"),
-        "PORT": "5432",
-        "TEST": {"NAME": f"test_resilient_django_{os.getpid()}"},
+#: The database the whole folder runs on: PostgreSQL, or MySQL/MariaDB when
+#: RESILIENT_TEST_DJANGO_DB=mysql (scripts/test.sh runs the folder once more that way).
+engine_under_test = os.environ.get("RESILIENT_TEST_DJANGO_DB", "postgresql")
+if engine_under_test == "mysql":
+    import pymysql  # Django's MySQL backend, through PyMySQL (the store's own driver)
+
+    pymysql.install_as_MySQLdb()
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": "test",
+            "USER": "resilient_django",  # made by this folder's conftest, with this password
+            "PASSWORD": "s3cret-not-for-logs",
+            "HOST": os.environ.get("RESILIENT_TEST_MYSQL_HOST", "127.0.0.1"),
+            "PORT": "3306",
+            "OPTIONS": {"charset": "utf8mb4"},
+            "TEST": {"NAME": f"test_resilient_django_{os.getpid()}"},
+        }
     }
-}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": "test",
+            "USER": "postgres",
+            "PASSWORD": "s3cret-not-for-logs",
+            "HOST": os.environ.get("RESILIENT_TEST_PG_HOST", "127.0.0.1"),
+            "PORT": "5432",
+            "TEST": {"NAME": f"test_resilient_django_{os.getpid()}"},
+        }
+    }
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
@@ -59,3 +79,10 @@ CELERY_RESILIENT_TABLE_PREFIX = "djr_"
 CELERY_RESILIENT_LEASE_SECONDS = 20
 CELERY_RESILIENT_AUTO_MIGRATE = False  # the schema comes from manage.py resilient_migrate
 RESILIENT_CELERY_APP = "tests.contrib.django.celeryapp:app"
+
+#: What the store's URL derived from DATABASES looks like, for the tests' assertions.
+store_driver = "mysql+pymysql" if engine_under_test == "mysql" else "postgresql+psycopg"
+store_url_shown = (
+    "mysql+pymysql://resilient_django:***@127.0.0.1:3306/test?charset=utf8mb4"
+    if engine_under_test == "mysql" else "postgresql+psycopg://postgres:***@127.0.0.1:5432/test")
+
