@@ -22,6 +22,11 @@ class StoreUnavailable(ResilientError):
     """The durable store cannot be reached; the work is retried, not lost."""
 
 
+class StoreUnreachable(StoreUnavailable):
+    """The store cannot be reached at all (refused, lost, or silent past its deadline), as
+    opposed to a transient conflict it answered with: the worker pauses its intake at once."""
+
+
 class SchemaError(ResilientError):
     """The store's schema is missing or out of date."""
 

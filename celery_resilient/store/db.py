@@ -19,7 +19,12 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from celery_resilient.core.states import RUNNING, STOPPED_STATES
-from celery_resilient.errors import StaleClaimError, StoreUnavailable, WorkStopped
+from celery_resilient.errors import (
+    StaleClaimError,
+    StoreUnavailable,
+    StoreUnreachable,
+    WorkStopped,
+)
 from celery_resilient.store import migrate, transient
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
@@ -162,8 +167,9 @@ class Database:
                 conn.commit()
             except DBAPIError as exc:
                 if isinstance(exc, OperationalError) or transient.is_transient(exc):
-                    raise StoreUnavailable(
-                        f"store unavailable at commit of "
+                    lost = exc.connection_invalidated or server_gone(exc)
+                    raise (StoreUnreachable if lost else StoreUnavailable)(
+                        f"store {'connection lost' if lost else 'unavailable'} at commit of "
                         f"{transient.current_operation('a transaction')}, outcome unknown "
                         f"({transient.describe(exc)}): {exc.orig}") from exc
                 raise

@@ -17,7 +17,7 @@ from typing import ParamSpec, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError, StatementError
 
-from celery_resilient.errors import StoreUnavailable
+from celery_resilient.errors import StoreUnavailable, StoreUnreachable
 from celery_resilient.store import deadlines, transient
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                     if interrupt is not None:
                         raise interrupt from None
                     if scope is not None and scope.expired:
-                        raise StoreUnavailable(
+                        raise StoreUnreachable(
                             f"store did not answer within {scope.seconds:g}s during {op} "
                             "(connection closed; a stalled pooler, proxy or server answers "
                             "nothing while TCP stays up)") from exc
@@ -77,8 +77,9 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                         raise
                     what = ("connection lost" if exc.connection_invalidated else
                             "unavailable" if transient.is_transient(exc) else "unreachable")
-                    raise StoreUnavailable(f"store {what} during {op} "
-                                           f"({transient.describe(exc)}): {exc.orig}") from exc
+                    error = StoreUnavailable if what == "unavailable" else StoreUnreachable
+                    raise error(f"store {what} during {op} "
+                                f"({transient.describe(exc)}): {exc.orig}") from exc
                 except StatementError as exc:
                     # SQLAlchemy wraps what interrupted its own code mid-statement (Celery's
                     # SoftTimeLimitExceeded, raised from a signal handler): the task must see

@@ -118,8 +118,12 @@ def is_retryable(exc: BaseException) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     """Running the same work again later can succeed: a store outage, not a failure."""
-    if is_retryable(exc):
-        return True
+    return is_retryable(exc) or is_lost(exc)
+
+
+def is_lost(exc: BaseException) -> bool:
+    """The connection is gone (or the server refuses writes: a standby), not a conflict the
+    server answered with: the store is unreachable until it is back."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
     if mysql_errno(exc) in MYSQL_LOST:

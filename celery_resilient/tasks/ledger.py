@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 
 from celery_resilient.core import codec, killpoints
-from celery_resilient.errors import LedgerKeyError, StoreUnavailable
+from celery_resilient.errors import LedgerKeyError, StoreUnavailable, StoreUnreachable
 from celery_resilient.store import transient
 from celery_resilient.store.sql import Store
 from celery_resilient.tasks.execution import Execution, atomic_open, refuse_inside_atomic
@@ -123,6 +123,8 @@ class Ledger:
             # Anything else (their own IntegrityError, a bug) is the task's failure.
             if not transient.is_transient(exc):
                 raise
-            raise StoreUnavailable(f"store unavailable during {operation}, rolled back "
-                                   f"({transient.describe(exc)}): "
-                                   f"{transient.driver_error(exc)}") from exc
+            lost = transient.is_lost(exc)
+            raise (StoreUnreachable if lost else StoreUnavailable)(
+                f"store {'connection lost' if lost else 'unavailable'} during {operation}, "
+                f"rolled back ({transient.describe(exc)}): "
+                f"{transient.driver_error(exc)}") from exc

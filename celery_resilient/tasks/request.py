@@ -12,7 +12,7 @@ from celery.worker.request import Request
 
 from celery_resilient.core import codec
 from celery_resilient.core.states import FAILED
-from celery_resilient.errors import StoreUnavailable
+from celery_resilient.errors import StoreUnreachable
 from celery_resilient.runtime.outcomes import Outcome
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.tasks import replay
@@ -67,10 +67,11 @@ class ResumableRequest(Request):  # type: ignore[misc]
 
     def on_retry(self, exc_info: Any) -> None:
         """A retry or a store-outage re-send: its copy is in flight to take the claim. A
-        re-send because the store is down pauses consumption at once (its gate resumes it
-        after the maintainer's next round that reaches the store): waiting for the
-        maintainer to notice lets the worker churn through the backlog, re-sending each
-        message, for as long as a round takes to fail."""
+        re-send because the store could not be reached pauses consumption at once (its gate
+        resumes it after the maintainer's next round that reaches the store): waiting for
+        the maintainer to notice lets the worker churn through the backlog, re-sending each
+        message, for as long as a round takes to fail. A transient conflict the store
+        answered with (a serialization failure, a lock timeout) pauses nothing."""
         super().on_retry(exc_info)
         rt = Runtime.enabled_on(self.task.app)
         if rt is not None:
@@ -80,7 +81,7 @@ class ResumableRequest(Request):  # type: ignore[misc]
             if isinstance(retry, ExceptionWithTraceback):  # from a pool process
                 retry = retry.exc
             cause = getattr(retry, "exc", None)
-            if isinstance(cause, StoreUnavailable) and rt.gate is not None:
+            if isinstance(cause, StoreUnreachable) and rt.gate is not None:
                 rt.gate.store_down(str(cause))
 
     def _released(self, was_acknowledged: bool) -> None:

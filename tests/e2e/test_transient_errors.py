@@ -52,6 +52,8 @@ def test_serialization_failure_in_atomic_block_ends_done_exactly_once(
     logs = worker.process.logs()
     assert re.search(rf"store unavailable \(.*?40001.*?\); {re.escape(task_id)} re-sent in",
                      logs, flags=re.DOTALL), logs[-3000:]
+    # A conflict the store answered with is not an outage: intake is not paused for it.
+    assert "paused consuming" not in logs, logs[-3000:]
     assert effect_log.count(f"conflict:{task_id}") == 1
     runs = effect_log.entries(f"run:{task_id}")
     assert [(r["epoch"], r["attempt"]) for r in runs] == [(1, 1), (2, 2)]
