@@ -18,7 +18,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError, StatementError
 
 from celery_resilient.errors import StoreUnavailable, StoreUnreachable
-from celery_resilient.store import deadlines, transient
+from celery_resilient.store import deadlines, packet_limit, transient
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -56,6 +56,9 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
                     interrupt = _interrupt_behind(exc, handling)
                     if interrupt is not None:
                         raise interrupt from None
+                    too_large = packet_limit.refused(exc)
+                    if too_large is not None:
+                        raise too_large from exc
                     if scope is not None and scope.expired:
                         raise StoreUnreachable(
                             f"store did not answer within {scope.seconds:g}s during {op} "

@@ -7,14 +7,16 @@ Measured before sending, it is bad input instead: :class:`PayloadTooLarge`, nami
 operation, the statement's size and the server's limit, raised before anything is written.
 
 Both MySQL drivers interpolate the bound values into the statement's text on the client,
-each string quoted and its ``\\0 \\n \\r \\x1a ' " \\\\`` escaped with a backslash, so the
-size sent is known exactly. Most statements are far below the limit: a bound of four bytes
-per character (UTF-8's widest) decides them without encoding anything.
+each string quoted and its ``\\0 \\n \\r \\x1a ' " \\\\`` escaped with a backslash, once per
+placeholder that names it, so the size sent is known exactly. Most statements are far
+below the limit: a bound of four bytes per character (UTF-8's widest) decides them without
+encoding anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sqlalchemy import event
@@ -25,6 +27,8 @@ from celery_resilient.store import transient
 
 #: Where each pooled connection keeps its session's ``max_allowed_packet``.
 INFO_KEY = "max_allowed_packet"
+#: The server's refusal of a packet over ``max_allowed_packet``.
+ER_NET_PACKET_TOO_LARGE = 1153
 #: The characters both drivers' escaping prefixes with a backslash.
 _ESCAPED = ("\\", "'", '"', "\0", "\n", "\r", "\x1a")
 
@@ -66,12 +70,13 @@ def check(statement: str, parameters: Any, executemany: bool, limit: int) -> Non
     (an executemany's rows are sent one per statement at the most)."""
     rows: Iterable[Any] = parameters if executemany else (parameters,)
     for row in rows:
-        values = _values(row)
-        if 4 * len(statement) + sum(_bound(v) for v in values) < limit:
+        values = _values(statement, row)
+        if 4 * len(statement) + sum(n * _bound(v) for v, n in values) < limit:
             continue
-        size = 1 + len(statement.encode()) + sum(_sent_size(v) for v in values)  # +1: command
+        # +1: the command byte
+        size = 1 + len(statement.encode()) + sum(n * _sent_size(v) for v, n in values)
         if size > limit:
-            largest = max((_sent_size(v) for v in values), default=0)
+            largest = max((_sent_size(v) for v, _ in values), default=0)
             raise PayloadTooLarge(
                 f"store operation {transient.current_operation('a statement')!r} not run: its "
                 f"statement would be {size:,} bytes (its largest value {largest:,}), over the "
@@ -81,14 +86,35 @@ def check(statement: str, parameters: Any, executemany: bool, limit: int) -> Non
                 "the server; nothing was written")
 
 
-def _values(row: Any) -> Sequence[Any]:
+def refused(exc: BaseException) -> PayloadTooLarge | None:
+    """The server's own refusal of a packet over its limit (error 1153), when a statement got
+    past :func:`check` (a driver or proxy that sends more than it counts): bad input too,
+    never an outage to re-send for."""
+    if transient.mysql_errno(exc) != ER_NET_PACKET_TOO_LARGE:
+        return None
+    return PayloadTooLarge(
+        f"store operation {transient.current_operation('a statement')!r} refused by the "
+        f"MySQL server: its statement is over max_allowed_packet "
+        f"({transient.driver_error(exc)}); keep the values it carries smaller, or raise "
+        "max_allowed_packet on the server")
+
+
+def _values(statement: str, row: Any) -> list[tuple[Any, int]]:
+    """Each bound value with the times the statement writes it: a named placeholder used
+    twice (``%(state_json)s`` in a checkpoint save's SET and its CASE) is sent twice."""
     if row is None:
-        return ()
+        return []
     if isinstance(row, Mapping):
-        return list(row.values())
+        uses = _uses(statement, tuple(row))
+        return [(v, uses[k]) for k, v in row.items() if uses[k]]
     if isinstance(row, (list, tuple)):
-        return row
-    return (row,)
+        return [(v, 1) for v in row]
+    return [(row, 1)]
+
+
+@functools.lru_cache(maxsize=512)
+def _uses(statement: str, names: tuple[str, ...]) -> dict[str, int]:
+    return {name: statement.count(f"%({name})s") for name in names}
 
 
 def _bound(value: Any) -> int:
@@ -107,4 +133,4 @@ def _sent_size(value: Any) -> int:
     return _bound(value)
 
 
-__all__ = ["INFO_KEY", "check", "enforce", "install", "listener"]
+__all__ = ["INFO_KEY", "check", "enforce", "install", "listener", "refused"]

@@ -11,7 +11,7 @@ from sqlalchemy import Connection
 
 from celery_resilient.core import codec, killpoints
 from celery_resilient.errors import LedgerKeyError, StoreUnavailable, StoreUnreachable
-from celery_resilient.store import transient
+from celery_resilient.store import packet_limit, transient
 from celery_resilient.store.sql import Store
 from celery_resilient.tasks.execution import Execution, atomic_open, refuse_inside_atomic
 
@@ -121,6 +121,9 @@ class Ledger:
             # marker. A transient error (raised by their statements, ours, or the commit) is a
             # store outage: the task is re-sent and runs the block again from its checkpoint.
             # Anything else (their own IntegrityError, a bug) is the task's failure.
+            too_large = packet_limit.refused(exc)
+            if too_large is not None:
+                raise too_large from exc
             if not transient.is_transient(exc):
                 raise
             lost = transient.is_lost(exc)

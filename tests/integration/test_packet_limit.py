@@ -22,9 +22,10 @@ from celery_resilient.errors import PayloadTooLarge, StoreUnavailable
 from celery_resilient.store import packet_limit
 from celery_resilient.store.batched_takes import TakeRequest
 from celery_resilient.store.sql import Store
+from celery_resilient.tasks.ledger import Ledger
 from celery_resilient.testing.services import drop_prefixed_tables
 
-from .helpers import owner, run, started, take
+from .helpers import execution, owner, run, started, take
 
 MiB = 1024 * 1024
 
@@ -125,3 +126,43 @@ def test_a_batch_leaves_an_oversized_message_to_its_careful_take(my_store: Store
     with pytest.raises(PayloadTooLarge, match=r"'Store\.take'"):
         my_store.take("big", "proj.task", "tid-big", None, me, 30.0, 5, lambda *_: True,
                       message_if_new=lambda: big.message_json)
+
+
+def test_a_value_written_twice_by_one_statement_is_counted_twice() -> None:
+    sql = "UPDATE t SET a = %(v)s, b = IF(%(v)s IS NULL, 1, 0) WHERE k = %(k)s"
+    packet_limit.check(sql, {"v": "x" * 300, "k": "key"}, False, 1000)
+    with pytest.raises(PayloadTooLarge):
+        packet_limit.check(sql, {"v": "x" * 600, "k": "key"}, False, 1000)
+    # a value the statement does not name is not sent
+    packet_limit.check("SELECT %(k)s", {"k": "key", "unused": "x" * 5000}, False, 1000)
+
+
+def test_a_checkpoint_the_save_writes_three_times_is_refused_not_dropped(
+        my_store: Store) -> None:
+    """MySQL's checkpoint save writes its state in its SET and in two CASEs (did it change?):
+    6 MiB of state is 18 MiB on the wire. Refused by name, the previous checkpoint kept."""
+    claim = run(my_store, "triple", owner())
+    assert my_store.save_checkpoint("triple", claim.epoch, json.dumps({"row": 1})) == 1
+    with pytest.raises(PayloadTooLarge, match="max_allowed_packet"):
+        my_store.save_checkpoint("triple", claim.epoch, json.dumps("s" * (6 * MiB)))
+    assert my_store.load_checkpoint("triple") == (json.dumps({"row": 1}), 1)
+
+
+def test_an_atomic_block_statement_using_a_value_twice_is_refused(my_store: Store) -> None:
+    """The user's own SQL in ``ledger.atomic()``, one bound value used twice (9 MiB, 18 on
+    the wire): PayloadTooLarge, the block and its marker rolled back, not a store outage."""
+    claim = run(my_store, "atomic-twice", owner())
+    x = execution(my_store, claim)
+    with my_store.engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {my_store.prefix}notes (v LONGTEXT)"))
+    with pytest.raises(PayloadTooLarge), Ledger(my_store, x).atomic("note") as tx:
+        tx.execute(text(f"INSERT INTO {my_store.prefix}notes (v) "
+                        "VALUES (IF(:v IS NULL, '', :v))"), {"v": "n" * (9 * MiB)})
+    with my_store.engine.connect() as conn:
+        count = conn.execute(text(f"SELECT COUNT(*) FROM {my_store.prefix}notes")).scalar_one()
+        conn.rollback()
+    assert count == 0 and my_store.ledger_get("note") is None
+    with Ledger(my_store, x).atomic("note") as tx:  # the same block, a value that fits
+        tx.execute(text(f"INSERT INTO {my_store.prefix}notes (v) "
+                        "VALUES (IF(:v IS NULL, '', :v))"), {"v": "small"})
+    assert my_store.ledger_get("note") is not None
