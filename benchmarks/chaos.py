@@ -34,7 +34,8 @@ the lease: every lease looks expired when it returns; two "quiet" tasks, sent ju
 sleep through it in one row and must keep their claims, unless their own worker fences them
 first: the outage is longer than the lease minus the fence margin). Two of the workers run
 under one node name (``-n same@%h``, ``--same-name``) for the whole run; one runs in a network
-namespace whose store link is cut without a reset for the lease plus 3 s (``--partitions``);
+namespace whose store link is cut without a reset for the lease plus 3 s (``--partitions``;
+once the store answers and that worker runs, which kills and deploys then spare);
 every other whole-worker SIGKILL is followed by a restart in a new PID namespace (``unshare``,
 as a container restart). A worker that exits, or must start
 again while the broker or the store is down, is (re)started as a supervisor would, once both
@@ -256,6 +257,7 @@ class Figures:
     container_restarts: int = 0
     partitions: int = 0
     partition_seconds: float = 0.0
+    partition_claims: int = 0
     self_fenced: int = 0
     deploys: int = 0
     deploys_mid_task: int = 0
@@ -420,6 +422,19 @@ class Chaos:
 
     # -- chaos -------------------------------------------------------------------------------
 
+    def running_claims(self, node: str) -> int:
+        """How many claims the store shows running on a node name (0 if it cannot tell)."""
+        assert self.store is not None
+        w = self.store.t.work
+        q = select(w.c.work_key).where(w.c.state == "running", w.c.owner_node == node)
+        try:
+            with self.store.engine.connect() as conn:
+                n = len(conn.execute(q).all())
+                conn.rollback()
+        except Exception:  # the store may be the thing restarting
+            return 0
+        return n
+
     def running_on(self, worker: LocalWorker, pid: int | None = None) -> int:
         """How many claims the store shows running on this worker (or pool process)."""
         assert self.store is not None
@@ -440,13 +455,15 @@ class Chaos:
 
     def up(self) -> list[int]:
         """Workers running and not being deployed, nor running quiet work through a store
-        outage (a kill there would prove nothing about the outage)."""
+        outage, nor cut from the store (a kill there would prove nothing about the outage or
+        the partition)."""
         pids, until = self.protected
         now = time.monotonic()
         guarded = pids if now < until else set()
         return [i for i, w in enumerate(self.workers)
                 if w.process.status == "running" and i not in self.stopping
                 and now - self.started_at.get(i, 0.0) >= SETTLE  # events that bunched up
+                and not (i == self.partitioned and self.cut)
                 and not guarded.intersection(w.process.children())]
 
     def kill_one(self) -> None:
@@ -667,10 +684,25 @@ class Chaos:
 
     def partition(self) -> None:
         """Cut the partitioned worker's store link (no reset) for the lease + 3 s: it must
-        fence itself before others take its work, and serve again after the heal."""
+        fence itself before others take its work, and serve again after the heal.
+
+        The cut waits until the store answers and that worker runs (a cut while the store is
+        down, or while the worker is down, proves nothing about a partition), and kills and
+        deploys spare the worker while it is cut."""
         if self.ns is None or self.partitioned is None:
             return
-        log(f"partition: w{self.partitioned}'s store link cut for {PARTITION}s (lease {LEASE}s)")
+        i = self.partitioned
+        worker = self.workers[i]
+        if ("store" in self.outages or worker.process.status != "running"
+                or i in self.stopping or i in self.down_until
+                or time.monotonic() - self.started_at.get(i, 0.0) < SETTLE):
+            self.schedule(1.0, "partition")
+            return
+        # by node name alone: its only worker, perhaps in a PID namespace of its own
+        claims = self.running_claims(worker.hostname())
+        self.figures.partition_claims += claims
+        log(f"partition: w{i}'s store link cut for {PARTITION}s (lease {LEASE}s; {claims} "
+            "claim(s) running on it)")
         self.ns.cut(0)
         self.cut = True
         self.partition_since = time.monotonic()
@@ -1010,7 +1042,8 @@ class Chaos:
               f"outage(s) of {f.broker_outage_seconds}s, {f.store_outages} store outage(s) of "
               f"{f.store_outage_seconds}s (lease {LEASE}s)")
         print(f"{f.container_restarts} restarts in a new PID namespace; {f.partitions} "
-              f"partition(s) of {f.partition_seconds}s; {f.self_fenced} self-fencing(s)")
+              f"partition(s) of {f.partition_seconds}s ({f.partition_claims} claim(s) running "
+              f"on the worker cut); {f.self_fenced} self-fencing(s)")
         print(f"overlapping executions {f.overlaps}; writes refused by the fence "
               f"{f.fenced_writes}; executions alive through the store outage "
               f"{f.quiet_through_store_outage}")
