@@ -482,8 +482,13 @@ class Chaos:
                 busy_children = [c for c in children if self.running_on(worker, c)]
                 pid = self.rng.choice(busy_children or children)
                 busy = self.running_on(worker, pid)
+                try:
+                    worker.kill_pool_child(pid)
+                except ProcessLookupError:  # killed just before (listed until reaped): later
+                    log(f"pool child {pid} of w{i} is gone already; the kill comes later")
+                    self.schedule(1.0, "kill")
+                    return
                 self.kill_log.append((time.time(), {pid}))
-                worker.kill_pool_child(pid)
                 self.figures.kills_child += 1
                 log(f"SIGKILL pool child of w{i} ({busy} task(s) running in it)")
                 return
