@@ -149,15 +149,24 @@ def _deploy_one(fleet: list[Worker], rng: random.Random, figures: Counter[str],
                 results: list[Any]) -> None:
     """One deploy a random while from now: SIGTERM to a worker's main process only (its
     pool processes get what Celery's warm shutdown gives them), then started again. The
-    worker is first seen answering a ping: a SIGTERM to one still starting proves nothing."""
+    worker is first seen answering a ping: a SIGTERM to one still starting proves nothing.
+    One that exited on its own meanwhile is started again, as a supervisor would (Celery
+    exits when a pool process dies before the pool is up: a kill of a worker just started)."""
     time.sleep(rng.uniform(0.5, 3.0))  # the deploy schedule, not a wait
     worker = fleet[rng.randrange(len(fleet))]
-    assert worker.proc is not None
     node = f"{worker.name}@{socket.gethostname()}"
-    wait_for(lambda: app.control.ping(destination=[node], timeout=0.5), 90,
-             f"{node} to answer a ping before its deploy")
+
+    def answers() -> bool:
+        if not worker.alive():
+            figures["unplanned_exits"] += 1
+            _restart(worker, starts, log_dir)
+            return False
+        return bool(app.control.ping(destination=[node], timeout=0.5))
+
+    wait_for(answers, 90, f"{node} to answer a ping before its deploy")
     figures["deploys_mid_canvas"] += not all(_ready(r) for r in results)
     sent = time.monotonic()
+    assert worker.proc is not None
     worker.proc.send_signal(signal.SIGTERM)
     try:
         worker.proc.wait(timeout=DEPLOY_LIMIT)
