@@ -2,7 +2,9 @@
 
 Chords, chains, groups of chains, chains ending in a chord and chords whose header fails
 (``link_error`` on the body) are sent to real workers (Redis broker and result backend with
-their defaults: a one-hour visibility timeout; PostgreSQL store; no durable submit), which are
+their defaults: a one-hour visibility timeout; no durable submit; the store on the machine's
+PostgreSQL or, ``--store mariadb``, MariaDB server, tables under a prefix of the run's own,
+dropped afterwards), which are
 SIGKILLed at random (whole process group, restarted at once under the same node name, or one
 pool process) and deployed at random (SIGTERM to the main process only, as a deploy does; a
 warm shutdown longer than 30 s is counted as slow, then SIGKILLed; started again once it has
@@ -12,7 +14,7 @@ expected one), and from the effect log (one fsync'd line per completed body): ch
 more than once, errbacks run 0 or 2+ times.
 
     python benchmarks/canvas_chaos.py [--seeds 1 2 3] [--kills 12] [--deploys 4]
-                                      [--modes resumable plain]
+                                      [--modes resumable plain] [--store mariadb]
 
 Prints a markdown table per mode and ``CANVAS-SUMMARY <json>`` lines (tests/chaos).
 """
@@ -43,10 +45,17 @@ from celery import chain, chord, group
 from celery_resilient.store.sql import Store
 from celery_resilient.testing import EffectLog
 from celery_resilient.testing.clients import close_result_client
+from celery_resilient.testing.services import drop_prefixed_tables
 
 sys.path.insert(0, str(HERE))
 REDIS = os.environ.get("CANVAS_REDIS", "redis://127.0.0.1:6379/14")  # broker and backend
-PG = os.environ.get("RESILIENT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+#: The store of each ``--store``: the machine's servers (the test suite's URLs).
+STORES = {
+    "postgresql": os.environ.get("RESILIENT_TEST_PG_URL",
+                                 "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+    "mariadb": os.environ.get("RESILIENT_TEST_MYSQL_URL",
+                              "mysql+pymysql://root@127.0.0.1:3306/test"),
+}
 KINDS = ("chord", "chain", "group of chains", "chain to chord", "chord link_error")
 #: seconds from a deploy's SIGTERM to its worker's exit; longer is a slow deploy (a hang)
 DEPLOY_LIMIT = 30.0
@@ -140,15 +149,24 @@ def _deploy_one(fleet: list[Worker], rng: random.Random, figures: Counter[str],
                 results: list[Any]) -> None:
     """One deploy a random while from now: SIGTERM to a worker's main process only (its
     pool processes get what Celery's warm shutdown gives them), then started again. The
-    worker is first seen answering a ping: a SIGTERM to one still starting proves nothing."""
+    worker is first seen answering a ping: a SIGTERM to one still starting proves nothing.
+    One that exited on its own meanwhile is started again, as a supervisor would (Celery
+    exits when a pool process dies before the pool is up: a kill of a worker just started)."""
     time.sleep(rng.uniform(0.5, 3.0))  # the deploy schedule, not a wait
     worker = fleet[rng.randrange(len(fleet))]
-    assert worker.proc is not None
     node = f"{worker.name}@{socket.gethostname()}"
-    wait_for(lambda: app.control.ping(destination=[node], timeout=0.5), 90,
-             f"{node} to answer a ping before its deploy")
+
+    def answers() -> bool:
+        if not worker.alive():
+            figures["unplanned_exits"] += 1
+            _restart(worker, starts, log_dir)
+            return False
+        return bool(app.control.ping(destination=[node], timeout=0.5))
+
+    wait_for(answers, 90, f"{node} to answer a ping before its deploy")
     figures["deploys_mid_canvas"] += not all(_ready(r) for r in results)
     sent = time.monotonic()
+    assert worker.proc is not None
     worker.proc.send_signal(signal.SIGTERM)
     try:
         worker.proc.wait(timeout=DEPLOY_LIMIT)
@@ -160,17 +178,18 @@ def _deploy_one(fleet: list[Worker], rng: random.Random, figures: Counter[str],
 
 
 def run(mode: str, seed: int, kills: int, workers: int, scale: int, deadline: float,
-        workdir: Path, deploys: int = 0) -> dict[str, Any]:
+        workdir: Path, deploys: int = 0, store_kind: str = "postgresql") -> dict[str, Any]:
     rng = random.Random(seed)
+    store_url = STORES[store_kind]
     queue = f"canvas-{mode}-{uuid.uuid4().hex[:6]}"
     prefix = f"cc_{uuid.uuid4().hex[:6]}_"
     log_dir = workdir / f"{mode}-{seed}"
     log_dir.mkdir(parents=True)
     effects_path = log_dir / "effects.jsonl"
-    env = {"CANVAS_MODE": mode, "CANVAS_REDIS": REDIS, "CANVAS_STORE": PG,
+    env = {"CANVAS_MODE": mode, "CANVAS_REDIS": REDIS, "CANVAS_STORE": store_url,
            "CANVAS_PREFIX": prefix, "CANVAS_EFFECTS": str(effects_path),
            "CANVAS_QUEUE": queue}
-    store = Store(PG, prefix)
+    store = Store(store_url, prefix)
     if mode == "resumable":
         store.migrate()
     fleet = [Worker(f"cc{i}", env, queue, log_dir, app="canvas_app").start()
@@ -205,9 +224,12 @@ def run(mode: str, seed: int, kills: int, workers: int, scale: int, deadline: fl
             worker.stop()
         close_result_client(app)
         store.dispose()
+        if mode == "resumable":
+            drop_prefixed_tables(store_url, prefix)
         _clean(queue)
-    return {"mode": mode, "seed": seed, **figures, "deploy_exit_seconds": exits,
-            "deploy_exit_max_seconds": max(exits, default=0.0), **tally}
+    return {"mode": mode, "seed": seed, "store": store_kind, **figures,
+            "deploy_exit_seconds": exits, "deploy_exit_max_seconds": max(exits, default=0.0),
+            **tally}
 
 
 def _tally(sent: list[tuple[str, str, Any, Any]], log: EffectLog) -> dict[str, Any]:
@@ -248,16 +270,18 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--scale", type=int, default=3, help="canvases per kind, x1-x4")
     parser.add_argument("--deadline", type=float, default=60)
+    parser.add_argument("--store", choices=sorted(STORES), default="postgresql",
+                        help="the store of the resumable mode (the machine's server)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="canvas-chaos-"))
     summaries = []
     for seed in args.seeds:
         for mode in args.modes:
             summary = run(mode, seed, args.kills, args.workers, args.scale, args.deadline,
-                          workdir, deploys=args.deploys)
+                          workdir, deploys=args.deploys, store_kind=args.store)
             summaries.append(summary)
             print("CANVAS-SUMMARY " + json.dumps(summary), flush=True)
-    print(machine())
+    print(f"{machine()}; store: {args.store} (resumable mode)")
     print(f"logs: {workdir}")
     rows = []
     for s in summaries:

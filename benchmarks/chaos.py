@@ -5,14 +5,16 @@ the store restarted and taken away for a while.
         --chaos-seconds 700 --seconds 1500                                         # full
     python benchmarks/chaos.py --tasks 300 --workers 3 --kills 10 --deploys 3 \
         --chaos-seconds 60 --seconds 240                                           # CI size
+    ... --store mariadb                                     # the same on a MariaDB store
 
 With the defaults a user has: Redis's own visibility timeout (an hour), no durable submit
 (``--durable-submit`` and ``--visibility-timeout`` exist to compare). A submitted task that
 never ends ``done`` (lost from the broker, or left in its ``unacked`` hash) is a violation.
 
 Everything it touches is its own: a throwaway ``redis-server`` (append-only file, fsync always)
-on a free port as the broker, a throwaway PostgreSQL cluster (initdb under /tmp, free port) as
-the store, worker processes of ``tests/chaos/chaosproj.py`` in their own process groups. The
+on a free port as the broker, a throwaway store server (``--store``: a PostgreSQL cluster,
+``initdb``, or a MariaDB server, ``mariadb-install-db``; under /tmp, on a free port), worker
+processes of ``tests/chaos/chaosproj.py`` in their own process groups. The
 machine's own servers are never stopped.
 
 Timeline: tasks (long checkpointing tasks, short tasks, step tasks, ``ledger.atomic`` tasks)
@@ -25,13 +27,15 @@ are submitted at a steady pace during the chaos phase; meanwhile, at random time
   (a deploy longer than 30 s is a violation), then it starts again;
 
 and at fixed points Redis is SIGKILLed and restarted, Redis is down for
-``--broker-outage-seconds`` (a broker outage), PostgreSQL is stopped (``-m immediate``) and
-started at once, and PostgreSQL is down for the lease plus 3 s (a store outage longer than
+``--broker-outage-seconds`` (a broker outage), the store server is stopped at once
+(PostgreSQL ``-m immediate``, MariaDB a SIGKILL) and started again (``--store-restarts``), and
+it is down for the lease plus 3 s (a store outage longer than
 the lease: every lease looks expired when it returns; two "quiet" tasks, sent just before it,
 sleep through it in one row and must keep their claims, unless their own worker fences them
 first: the outage is longer than the lease minus the fence margin). Two of the workers run
 under one node name (``-n same@%h``, ``--same-name``) for the whole run; one runs in a network
-namespace whose store link is cut without a reset for the lease plus 3 s (``--partitions``);
+namespace whose store link is cut without a reset for the lease plus 3 s (``--partitions``;
+once the store answers and that worker runs, which kills and deploys then spare);
 every other whole-worker SIGKILL is followed by a restart in a new PID namespace (``unshare``,
 as a container restart). A worker that exits, or must start
 again while the broker or the store is down, is (re)started as a supervisor would, once both
@@ -96,7 +100,11 @@ from celery_resilient.store.sql import Store  # noqa: E402
 from celery_resilient.testing import EffectLog  # noqa: E402
 from celery_resilient.testing.nodes import LocalWorker  # noqa: E402
 from celery_resilient.testing.partitions import NetworkNamespace  # noqa: E402
-from celery_resilient.testing.services import ThrowawayPostgres, ThrowawayRedis  # noqa: E402
+from celery_resilient.testing.services import (  # noqa: E402
+    STORE_SERVERS,
+    ThrowawayRedis,
+    throwaway_store,
+)
 from celery_resilient.testing.waiting import WaitTimeout  # noqa: E402
 from celery_resilient.testing.waiting import wait_for as _wait_for  # noqa: E402
 from tests.chaos import chaosproj  # noqa: E402
@@ -118,7 +126,7 @@ WORKER_SETTINGS = {
     "resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2,
     "resilient_submit_timeout": 30,
 }
-STORE_OUTAGE = LEASE + 3  # seconds PostgreSQL stays down: every lease looks expired after it
+STORE_OUTAGE = LEASE + 3  # seconds the store server stays down: every lease looks expired after it
 PARTITION = LEASE + 3  # seconds one worker's store link stays cut
 UNSHARE = ("unshare", "--pid", "--fork", "--mount-proc")
 #: "quiet" work (the long task, one row of QUIET_ROW seconds) is sent right before each store
@@ -244,10 +252,12 @@ class Figures:
     delayed_restarts: int = 0
     unplanned_exits: int = 0
     redis_restarts: int = 0
-    pg_restarts: int = 0
+    store: str = ""
+    store_restarts: int = 0
     container_restarts: int = 0
     partitions: int = 0
     partition_seconds: float = 0.0
+    partition_claims: int = 0
     self_fenced: int = 0
     deploys: int = 0
     deploys_mid_task: int = 0
@@ -288,7 +298,7 @@ class Chaos:
         inner = [self.ns.host_ip(0)] if self.ns else []
         self.redis = ThrowawayRedis(persistent=True,
                                     also_listen=[self.ns.host_ip(1)] if self.ns else [])
-        self.pg = ThrowawayPostgres(max_connections=200, also_listen=inner)
+        self.server = throwaway_store(args.store, max_connections=200, also_listen=inner)
         self.queue = f"chaos-{uuid.uuid4().hex[:8]}"
         self.workers: list[LocalWorker] = []
         self.down_until: dict[int, float] = {}
@@ -303,7 +313,7 @@ class Chaos:
         self.outages: set[str] = set()  # "broker" and/or "store" while taken away
         self.events: list[tuple[float, int, str]] = []  # (seconds into the phase, n, what)
         self.counter = itertools.count()
-        self.figures = Figures(tasks=args.tasks, workers=args.workers)
+        self.figures = Figures(tasks=args.tasks, workers=args.workers, store=args.store)
         self.plan: list[tuple[str, str, tuple[Any, ...]]] = []  # (task_id, kind, args)
         self.sent = 0
         self.send_error: BaseException | None = None
@@ -323,7 +333,7 @@ class Chaos:
                 "visibility_timeout": self.args.visibility_timeout,
                 "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
         return {
-            "CHAOS_BROKER": self.redis.url, "CHAOS_STORE_URL": self.pg.url,
+            "CHAOS_BROKER": self.redis.url, "CHAOS_STORE_URL": self.server.url,
             "CHAOS_TABLE_PREFIX": PREFIX, "CHAOS_QUEUE": self.queue,
             "CHAOS_EXTRA": json.dumps(settings),
             "RESILIENT_EFFECT_LOG": str(self.effects.path),
@@ -332,8 +342,8 @@ class Chaos:
 
     def setup(self) -> None:
         self.redis.start()
-        self.pg.init().start()
-        self.store = Store(self.pg.url, PREFIX)
+        self.server.init().start()
+        self.store = Store(self.server.url, PREFIX)
         self.store.migrate()
         chaosproj.applied_table(PREFIX).create(self.store.engine)
         for i in range(self.args.tasks):
@@ -362,7 +372,7 @@ class Chaos:
             env, wrapper = self.env(), []
             if self.ns is not None and i == self.args.workers - 1 and i >= same:
                 env["CHAOS_BROKER"] = self.redis.url_on(self.ns.host_ip(1))
-                env["CHAOS_STORE_URL"] = self.pg.url_on(self.ns.host_ip(0))
+                env["CHAOS_STORE_URL"] = self.server.url_on(self.ns.host_ip(0))
                 wrapper = self.ns.wrapper()
                 self.partitioned = i
             worker = LocalWorker(APP, self.dir / "logs", name=f"w{i}",
@@ -374,7 +384,8 @@ class Chaos:
             self.started_at[i] = time.monotonic()
         self.figures.same_name_workers = same if same > 1 else 0
         log(f"{self.args.workers} workers up ({same if same > 1 else 'none'} named "
-            f"{SAME_NAME}); broker {self.redis.url}, store 127.0.0.1:{self.pg.port}, "
+            f"{SAME_NAME}); broker {self.redis.url}, store {self.server.name} on "
+            f"127.0.0.1:{self.server.port}, "
             f"logs in {self.dir}")
 
     # -- submission (own thread, own client) ------------------------------------------------
@@ -411,6 +422,19 @@ class Chaos:
 
     # -- chaos -------------------------------------------------------------------------------
 
+    def running_claims(self, node: str) -> int:
+        """How many claims the store shows running on a node name (0 if it cannot tell)."""
+        assert self.store is not None
+        w = self.store.t.work
+        q = select(w.c.work_key).where(w.c.state == "running", w.c.owner_node == node)
+        try:
+            with self.store.engine.connect() as conn:
+                n = len(conn.execute(q).all())
+                conn.rollback()
+        except Exception:  # the store may be the thing restarting
+            return 0
+        return n
+
     def running_on(self, worker: LocalWorker, pid: int | None = None) -> int:
         """How many claims the store shows running on this worker (or pool process)."""
         assert self.store is not None
@@ -431,13 +455,15 @@ class Chaos:
 
     def up(self) -> list[int]:
         """Workers running and not being deployed, nor running quiet work through a store
-        outage (a kill there would prove nothing about the outage)."""
+        outage, nor cut from the store (a kill there would prove nothing about the outage or
+        the partition)."""
         pids, until = self.protected
         now = time.monotonic()
         guarded = pids if now < until else set()
         return [i for i, w in enumerate(self.workers)
                 if w.process.status == "running" and i not in self.stopping
                 and now - self.started_at.get(i, 0.0) >= SETTLE  # events that bunched up
+                and not (i == self.partitioned and self.cut)
                 and not guarded.intersection(w.process.children())]
 
     def kill_one(self) -> None:
@@ -456,8 +482,13 @@ class Chaos:
                 busy_children = [c for c in children if self.running_on(worker, c)]
                 pid = self.rng.choice(busy_children or children)
                 busy = self.running_on(worker, pid)
+                try:
+                    worker.kill_pool_child(pid)
+                except ProcessLookupError:  # killed just before (listed until reaped): later
+                    log(f"pool child {pid} of w{i} is gone already; the kill comes later")
+                    self.schedule(1.0, "kill")
+                    return
                 self.kill_log.append((time.time(), {pid}))
-                worker.kill_pool_child(pid)
                 self.figures.kills_child += 1
                 log(f"SIGKILL pool child of w{i} ({busy} task(s) running in it)")
                 return
@@ -639,9 +670,9 @@ class Chaos:
     def store_down(self) -> None:
         self.start_quiet_work(self.figures.store_outages)
         seconds = STORE_OUTAGE
-        log(f"store outage: PostgreSQL stopped (-m immediate) for {seconds}s, longer than "
-            f"the lease ({LEASE}s)")
-        self.pg.stop_immediately()
+        log(f"store outage: {self.server.name} {self.server.stopped_how} for {seconds}s, "
+            f"longer than the lease ({LEASE}s)")
+        self.server.stop_immediately()
         self.outages.add("store")
         self.store_since = time.monotonic()
         self.store_down_wall.append([time.time(), float("inf")])
@@ -649,7 +680,7 @@ class Chaos:
         self.schedule(seconds, "store_up")
 
     def store_up(self) -> None:
-        self.pg.start()
+        self.server.start()
         self.store_down_wall[-1][1] = time.time()
         self.outages.discard("store")
         took = round(time.monotonic() - self.store_since, 1)
@@ -658,10 +689,25 @@ class Chaos:
 
     def partition(self) -> None:
         """Cut the partitioned worker's store link (no reset) for the lease + 3 s: it must
-        fence itself before others take its work, and serve again after the heal."""
+        fence itself before others take its work, and serve again after the heal.
+
+        The cut waits until the store answers and that worker runs (a cut while the store is
+        down, or while the worker is down, proves nothing about a partition), and kills and
+        deploys spare the worker while it is cut."""
         if self.ns is None or self.partitioned is None:
             return
-        log(f"partition: w{self.partitioned}'s store link cut for {PARTITION}s (lease {LEASE}s)")
+        i = self.partitioned
+        worker = self.workers[i]
+        if ("store" in self.outages or worker.process.status != "running"
+                or i in self.stopping or i in self.down_until
+                or time.monotonic() - self.started_at.get(i, 0.0) < SETTLE):
+            self.schedule(1.0, "partition")
+            return
+        # by node name alone: its only worker, perhaps in a PID namespace of its own
+        claims = self.running_claims(worker.hostname())
+        self.figures.partition_claims += claims
+        log(f"partition: w{i}'s store link cut for {PARTITION}s (lease {LEASE}s; {claims} "
+            "claim(s) running on it)")
         self.ns.cut(0)
         self.cut = True
         self.partition_since = time.monotonic()
@@ -676,21 +722,21 @@ class Chaos:
         self.figures.partition_seconds = max(self.figures.partition_seconds, took)
         log(f"partition healed ({took}s)")
 
-    def restart_pg(self) -> None:
+    def restart_store(self) -> None:
         if "store" in self.outages:  # the long outage is still on: restart it afterwards
-            self.schedule(1.0, "pg")
+            self.schedule(1.0, "store_restart")
             return
-        log("stopping PostgreSQL (-m immediate)")
-        self.pg.stop_immediately()
+        log(f"{self.server.name} {self.server.stopped_how}; starting it again")
+        self.server.stop_immediately()
         try:
             wait_for(lambda: any("store unavailable" in w.process.logs() or
                                  "maintenance round failed" in w.process.logs()
                                  for w in self.workers), 10, "a worker to notice the outage")
         except TimeoutError:
             log("no worker logged the outage within 10s")
-        self.pg.start()
-        self.figures.pg_restarts += 1
-        log("PostgreSQL is back")
+        self.server.start()
+        self.figures.store_restarts += 1
+        log(f"{self.server.name} is back")
 
     def schedule(self, after: float, what: str) -> None:
         """An event ``after`` seconds from now (outages schedule their own end)."""
@@ -709,12 +755,12 @@ class Chaos:
             + [(0.15 + 0.1 * n, "broker_down") for n in range(a.broker_outages)]
             + [(0.35 + 0.1 * n, "redis") for n in range(a.redis_restarts)]
             + [(0.45 + 0.1 * n, "store_down") for n in range(a.store_outages)]
-            + [(0.8 + 0.05 * n, "pg") for n in range(a.pg_restarts)]
+            + [(0.8 + 0.05 * n, "store_restart") for n in range(a.store_restarts)]
             + [(0.6 + 0.05 * n, "partition") for n in range(a.partitions)])
         for frac, what in planned:
             heapq.heappush(self.events, (frac * chaos_seconds, next(self.counter), what))
         actions = {"kill": self.kill_one, "deploy": self.deploy_one, "redis": self.restart_redis,
-                   "pg": self.restart_pg, "broker_down": self.broker_down,
+                   "store_restart": self.restart_store, "broker_down": self.broker_down,
                    "broker_up": self.broker_up, "store_down": self.store_down,
                    "store_up": self.store_up, "partition": self.partition,
                    "heal": self.heal}
@@ -772,7 +818,7 @@ class Chaos:
         store, f = self.store, self.figures
         bad: list[str] = []
         t = store.t
-        # The chaos phase may have restarted PostgreSQL after the pool's last use: its
+        # The chaos phase may have restarted the store server after the pool's last use: its
         # connections would fail the first read, so the check starts from fresh ones.
         store.engine.dispose()
         with store.engine.connect() as conn:
@@ -977,7 +1023,7 @@ class Chaos:
             if self.store is not None:
                 self.store.dispose()
             self.redis.destroy()
-            self.pg.destroy()
+            self.server.destroy()
             if self.ns is not None:
                 self.ns.destroy()
         if self.figures.violations and code == 0:
@@ -993,14 +1039,16 @@ class Chaos:
         print(f"\n{f.tasks} tasks {f.by_kind} on {f.workers} workers x {self.args.concurrency}"
               f": {f.kills_group} group SIGKILLs ({f.delayed_restarts} restarted after the "
               f"lease), {f.kills_child} pool-child SIGKILLs, {f.redis_restarts} Redis and "
-              f"{f.pg_restarts} PostgreSQL restarts; {f.kills_mid_task} kills hit running work")
+              f"{f.store_restarts} {self.server.name} restarts; {f.kills_mid_task} kills hit "
+              "running work")
         print(f"{f.deploys} deploys (SIGTERM, exit in at most {f.deploy_exit_max_seconds}s; "
               f"{f.handed_off} executions handed off), {f.same_name_workers} workers under one "
               f"node name ({f.same_name_warnings} warnings logged), {f.broker_outages} broker "
               f"outage(s) of {f.broker_outage_seconds}s, {f.store_outages} store outage(s) of "
               f"{f.store_outage_seconds}s (lease {LEASE}s)")
         print(f"{f.container_restarts} restarts in a new PID namespace; {f.partitions} "
-              f"partition(s) of {f.partition_seconds}s; {f.self_fenced} self-fencing(s)")
+              f"partition(s) of {f.partition_seconds}s ({f.partition_claims} claim(s) running "
+              f"on the worker cut); {f.self_fenced} self-fencing(s)")
         print(f"overlapping executions {f.overlaps}; writes refused by the fence "
               f"{f.fenced_writes}; executions alive through the store outage "
               f"{f.quiet_through_store_outage}")
@@ -1031,7 +1079,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chaos-seconds", type=float, default=0,
                    help="length of the chaos phase (default: 4 s per kill, at least 30 s)")
     p.add_argument("--redis-restarts", type=int, default=1)
-    p.add_argument("--pg-restarts", type=int, default=1)
+    p.add_argument("--store", choices=sorted(STORE_SERVERS), default="postgresql",
+                   help="the store's throwaway server, which every store fault hits")
+    p.add_argument("--store-restarts", "--pg-restarts", type=int, default=1,
+                   help="times the store server is stopped at once and started again")
     p.add_argument("--deploys", type=int, default=None,
                    help="SIGTERMs to a worker's main process, then a start (default: kills/5)")
     p.add_argument("--same-name", type=int, default=2,
@@ -1039,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--broker-outages", type=int, default=1)
     p.add_argument("--broker-outage-seconds", type=float, default=6.0)
     p.add_argument("--store-outages", type=int, default=1,
-                   help="PostgreSQL stopped for the lease + 3 s")
+                   help="the store server stopped for the lease + 3 s")
     p.add_argument("--partitions", type=int, default=1,
                    help="times one worker (run in a network namespace) has its store link "
                    "cut for the lease + 3 s; 0: no namespace")

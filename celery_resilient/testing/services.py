@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from sqlalchemy import create_engine, inspect, text
 
@@ -51,8 +52,37 @@ def _pg_bin(name: str) -> str:
     return found
 
 
+class StoreServer(Protocol):
+    """A throwaway store server a test or a chaos run takes away and brings back: what
+    :class:`ThrowawayPostgres` and :class:`ThrowawayMariaDB` both offer (``STORE_SERVERS``)."""
+
+    #: The server's product name, for log lines ("PostgreSQL", "MariaDB").
+    name: str
+    #: How :meth:`stop_immediately` takes it away, for log lines.
+    stopped_how: str
+    #: The store URL by 127.0.0.1 (a database the store may use).
+    url: str
+    port: int
+    max_connections: int
+    #: Addresses besides 127.0.0.1 it listens on, and accepts the URL's user from.
+    also_listen: list[str]
+
+    def init(self) -> StoreServer: ...
+
+    def start(self) -> None: ...
+
+    def stop_immediately(self) -> None: ...
+
+    def url_on(self, host: str) -> str: ...
+
+    def destroy(self) -> None: ...
+
+
 class ThrowawayPostgres:
     """A PostgreSQL cluster of its own (``initdb``), run as ``postgres`` when we are root."""
+
+    name = "PostgreSQL"
+    stopped_how = "stopped (-m immediate)"
 
     def __init__(self, max_connections: int = 100, also_listen: Sequence[str] = (),
                  settings: Sequence[str] = ()) -> None:
@@ -128,7 +158,14 @@ class ThrowawayMariaDB:
     """A MariaDB server of its own (``mariadb-install-db``, ``mariadbd``), run as root when we
     are (``--user``); a ``test`` database; ``stop_immediately`` is a SIGKILL."""
 
-    def __init__(self) -> None:
+    name = "MariaDB"
+    stopped_how = "SIGKILLed"
+
+    def __init__(self, max_connections: int = 151, also_listen: Sequence[str] = ()) -> None:
+        #: Addresses besides 127.0.0.1 it listens on (MariaDB 10.11 takes a list), and
+        #: accepts ``root`` from, without a password (``'root'@'%'``: tests only).
+        self.also_listen = list(also_listen)
+        self.max_connections = max_connections
         binary = shutil.which("mariadbd") or "/usr/sbin/mariadbd"
         if not os.path.exists(binary):
             raise RuntimeError("mariadbd not found: install MariaDB")
@@ -146,19 +183,31 @@ class ThrowawayMariaDB:
                         "--skip-test-db"], check=True, capture_output=True, timeout=120)
         return self
 
+    def url_on(self, host: str) -> str:
+        """The URL by one of its other addresses (``also_listen``)."""
+        return self.url.replace("@127.0.0.1:", f"@{host}:")
+
     def start(self) -> None:
+        # Clients on other addresses are matched by address, never by a reverse DNS lookup
+        # (which can stall each new connection where no resolver answers).
+        elsewhere = ["--skip-name-resolve"] if self.also_listen else []
         self.process = subprocess.Popen(
             [self.binary, "--no-defaults", f"--datadir={self.data}", f"--port={self.port}",
-             "--bind-address=127.0.0.1", f"--socket={self.dir / 'sock'}",
+             f"--bind-address={','.join(['127.0.0.1', *self.also_listen])}",
+             f"--socket={self.dir / 'sock'}", f"--max-connections={self.max_connections}",
              f"--pid-file={self.dir / 'pid'}", f"--user={self.user}",
              f"--log-error={self.dir / 'server.log'}", "--innodb-buffer-pool-size=32M",
-             "--skip-log-bin"],
+             "--skip-log-bin", *elsewhere],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         wait_for(self._answers, 60, f"MariaDB on port {self.port}", interval=0.1)
         engine = create_engine(self.url.rsplit("/", 1)[0] + "/")
         try:
             with engine.begin() as conn:
                 conn.execute(text("CREATE DATABASE IF NOT EXISTS test"))
+                if self.also_listen:
+                    conn.execute(text("CREATE USER IF NOT EXISTS 'root'@'%'"))
+                    conn.execute(text("GRANT ALL PRIVILEGES ON *.* TO 'root'@'%' "
+                                      "WITH GRANT OPTION"))
         finally:
             engine.dispose()
 
@@ -179,6 +228,17 @@ class ThrowawayMariaDB:
     def destroy(self) -> None:
         self.stop_immediately()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+#: The throwaway server of each kind of store (the chaos runs' ``--store``).
+STORE_SERVERS: dict[str, type[ThrowawayPostgres] | type[ThrowawayMariaDB]] = {
+    "postgresql": ThrowawayPostgres, "mariadb": ThrowawayMariaDB}
+
+
+def throwaway_store(kind: str, max_connections: int = 100,
+                    also_listen: Sequence[str] = ()) -> StoreServer:
+    """A throwaway server of one kind of store (a key of ``STORE_SERVERS``), not started."""
+    return STORE_SERVERS[kind](max_connections=max_connections, also_listen=also_listen)
 
 
 class ThrowawayRedis:

@@ -3,8 +3,9 @@ chords, chains, groups of chains, chains ending in a chord and chords whose head
 3 workers SIGKILLed 8 times (whole worker or one pool process) and deployed 4 times (SIGTERM
 to the main process, as a deploy does: the warm shutdown must end within 30 s), Redis broker
 and backend with their defaults, no durable submit. Nothing may hang, end wrong or run
-twice. The full run, with
-plain Celery as the baseline in its output, is the documented command in docs/reliability.md.
+twice. Once with a PostgreSQL store, once with a MariaDB store (the machine's servers). The
+full run, with plain Celery as the baseline in its output, is the documented command in
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.chaos
 
 
+@pytest.mark.parametrize("store", ["postgresql", "mariadb"])
 @pytest.mark.timeout(430)
-def test_canvas_chaos_small() -> None:
+# Redis database 14 and the worker names cc0-cc2 are the run's: one run at a time.
+@pytest.mark.xdist_group("canvas-chaos")
+def test_canvas_chaos_small(store: str) -> None:
     argv = [sys.executable, str(ROOT / "benchmarks" / "canvas_chaos.py"), "--modes",
             "resumable", "--seeds", "5", "--kills", "8", "--deploys", "4", "--scale", "1",
-            "--deadline", "90"]
+            "--deadline", "90", "--store", store]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400,
                           check=False)
     out = done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("CANVAS-SUMMARY ")]
     assert done.returncode == 0 and lines, out[-6000:]
     summary = json.loads(lines[-1].split(" ", 1)[1])
+    assert summary["store"] == store
     assert summary["kills_group"] + summary["kills_child"] == 8
     assert summary["deploys"] == 4 and summary["deploys_mid_canvas"] >= 1, summary
     assert summary.get("deploys_slow", 0) == 0, summary["deploy_exit_seconds"]
