@@ -23,7 +23,7 @@ import pytest
 from celery_resilient.testing import EffectLog, wait_for
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.partitions import NetworkNamespace
-from celery_resilient.testing.services import ThrowawayPostgres, ThrowawayRedis
+from celery_resilient.testing.services import StoreServer, ThrowawayRedis, throwaway_store
 
 from .conftest import Project
 
@@ -37,28 +37,31 @@ pytestmark = pytest.mark.xdist_group("netns")
 @dataclass
 class World:
     ns: NetworkNamespace
-    pg: ThrowawayPostgres
+    store: StoreServer
     redis: ThrowawayRedis
     project: Project
 
     def worker_inside(self, name: str, **kwargs: object) -> LocalWorker:
         env = {"RESILIENT_BROKER": self.redis.url_on(self.ns.host_ip(BROKER)),
-               "RESILIENT_STORE_URL": self.pg.url_on(self.ns.host_ip(STORE))}
+               "RESILIENT_STORE_URL": self.store.url_on(self.ns.host_ip(STORE))}
         return self.project.worker(name=name, wrapper=self.ns.wrapper(), env=env, **kwargs)
 
 
-@pytest.fixture
-def world(make_project: Callable[..., Project]) -> Iterator[World]:
+@pytest.fixture(params=["postgresql"])
+def world(request: pytest.FixtureRequest,
+          make_project: Callable[..., Project]) -> Iterator[World]:
+    """A network namespace whose links to a throwaway store server (of the kind the test
+    asks for: PostgreSQL unless parametrised) and Redis can be cut."""
     ns = NetworkNamespace(2).create()
-    pg = ThrowawayPostgres(also_listen=[ns.host_ip(STORE)]).init()
+    store = throwaway_store(request.param, also_listen=[ns.host_ip(STORE)]).init()
     redis = ThrowawayRedis(also_listen=[ns.host_ip(BROKER)])
     try:
-        pg.start()
+        store.start()
         redis.start()
-        yield World(ns, pg, redis, make_project(redis.url, pg.url))
+        yield World(ns, store, redis, make_project(redis.url, store.url))
     finally:
         redis.destroy()
-        pg.destroy()
+        store.destroy()
         ns.destroy()
 
 
@@ -79,8 +82,13 @@ def _assert_no_overlap(effects: EffectLog, key: str) -> float:
     return min(gaps) if gaps else float("inf")
 
 
+@pytest.mark.parametrize("world", ["postgresql", "mariadb"], indirect=True)
 def test_a_worker_cut_off_from_its_store_fences_itself_before_a_takeover(
         world: World, effect_log: EffectLog) -> None:
+    """The store link cut without a reset for longer than the lease (30 s, the default), on
+    each server store: the cut worker fences itself before another takes its work over, the
+    executions never overlap, the step runs once, and the cut worker serves again after the
+    heal."""
     project = world.project
     cut = world.worker_inside("cut", concurrency=1)
     key = project.send("sparse", 60, 0.5, 20)
