@@ -241,15 +241,26 @@ class ResilientWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             maintainer.rt.outcomes.flush(maintainer.rt.store)
             maintainer.revokes.flush(maintainer.rt)
             maintainer.rt.store.mark_stopped(maintainer.owner, maintainer.rt.config.submit_timeout)
+            # Stopped in the store: the lease's heartbeat would now read this incarnation's
+            # own stop as another worker declaring it dead (and fence, and exit 1) while the
+            # holdings are forgotten below (slow with the broker down).
+            _stop_lease(keeper, guard)
+            keeper = guard = None
             holding_sweep.forget_own(maintainer.rt, maintainer.owner)
         except Exception as exc:  # never cut Celery's shutdown short
             log.warning("could not hand claims back on shutdown: %s", exc,
                         exc_info=not isinstance(exc, ResilientError))
         finally:
-            if guard is not None:
-                guard.stop()
-                guard.join(timeout=5)
-                guard.close()
-            if keeper is not None:
-                keeper.stop()
-                keeper.join(timeout=5)
+            _stop_lease(keeper, guard)
+
+
+def _stop_lease(keeper: LeaseKeeper | None, guard: FencingGuard | None) -> None:
+    """Stop renewing the lease and watching the liveness session."""
+    if guard is not None:
+        guard.stop()
+        guard.join(timeout=5)
+        guard.close()
+    if keeper is not None:
+        keeper.stop()
+        keeper.join(timeout=5)
+

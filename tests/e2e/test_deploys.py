@@ -28,7 +28,7 @@ from celery_resilient.core.identity import Owner
 from celery_resilient.core.states import DONE, EXPIRED, REVOKED, TERMINAL_STATES
 from celery_resilient.testing import EffectLog, WaitTimeout, wait_for
 from celery_resilient.testing.nodes import LocalWorker
-from celery_resilient.testing.services import ThrowawayPostgres
+from celery_resilient.testing.services import ThrowawayPostgres, ThrowawayRedis
 
 from .conftest import Project
 from .lifecycleproj import result_backend_for
@@ -486,3 +486,28 @@ def test_sigterms_into_a_stream_of_revokes_expiries_and_retries_end_each_task_on
     assert not wrong, f"{len(wrong)} tasks ended wrong, e.g. {wrong[:5]}"
     # what the stream is there for: some revokes and expiries did stop their task
     assert stopped["expires"] and stopped["revoked"], stopped
+
+
+def test_a_deploy_while_the_broker_is_down_exits_cleanly_not_declared_dead(
+        make_project: Callable[..., Project]) -> None:
+    """SIGTERM while the broker is down: the worker records its stop, then waits for the
+    broker to forget its holding. Its lease heartbeat must not read its own stop as another
+    worker declaring it dead (SELF-FENCING, exit 1) meanwhile: a deploy that met a broker
+    outage exits as any deploy does."""
+    server = ThrowawayRedis().start()
+    try:
+        project = make_project(server.url)
+        worker = _worker(project, "w1", resilient_lease_seconds=6,
+                         resilient_heartbeat_interval=1)
+        worker.process.ready()
+        server.kill()
+        wait_for(lambda: "Connection to broker lost" in worker.process.logs(), 30,
+                 "the worker to lose the broker")
+        worker.process.kill("SIGTERM", group=False)
+        wait_for(lambda: worker.process.status == "exited", 90, "the worker to exit")
+        logs = worker.process.logs()
+        assert "declared dead" not in logs and "SELF-FENCING" not in logs, logs[-3000:]
+        assert worker.process.proc is not None and worker.process.proc.returncode == 0, \
+            logs[-3000:]
+    finally:
+        server.destroy()
