@@ -426,14 +426,8 @@ class Chaos:
         """How many claims the store shows running on a node name (0 if it cannot tell)."""
         assert self.store is not None
         w = self.store.t.work
-        q = select(w.c.work_key).where(w.c.state == "running", w.c.owner_node == node)
-        try:
-            with self.store.engine.connect() as conn:
-                n = len(conn.execute(q).all())
-                conn.rollback()
-        except Exception:  # the store may be the thing restarting
-            return 0
-        return n
+        return self._count(select(w.c.work_key).where(w.c.state == "running",
+                                                       w.c.owner_node == node))
 
     def running_on(self, worker: LocalWorker, pid: int | None = None) -> int:
         """How many claims the store shows running on this worker (or pool process)."""
@@ -442,12 +436,16 @@ class Chaos:
             return 0
         w = self.store.t.work
         pids = [pid] if pid is not None else worker.process.children()
-        q = select(w.c.work_key).where(w.c.state == "running",
-                                       w.c.owner_node == worker.hostname(),
-                                       w.c.owner_pid.in_(pids))  # one of a same-name pair
+        return self._count(select(w.c.work_key).where(
+            w.c.state == "running", w.c.owner_node == worker.hostname(),
+            w.c.owner_pid.in_(pids)))  # one of a same-name pair
+
+    def _count(self, query: Any) -> int:
+        """The rows ``query`` finds (0 when the store does not answer)."""
+        assert self.store is not None
         try:
             with self.store.engine.connect() as conn:
-                n = len(conn.execute(q).all())
+                n = len(conn.execute(query).all())
                 conn.rollback()
         except Exception:  # the store may be the thing restarting
             return 0

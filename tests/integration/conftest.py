@@ -1,4 +1,4 @@
-"""Fixtures shared by the integration tests that need PostgreSQL itself."""
+"""Fixtures shared by the integration tests that need PostgreSQL or MariaDB itself."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import Engine, create_engine
 
 from celery_resilient.store.sql import Store
+from celery_resilient.testing.services import drop_prefixed_tables
 
 
 @pytest.fixture
@@ -17,6 +18,17 @@ def pg_store(pg_url: str, table_prefix: str) -> Iterator[Store]:
     s.migrate()
     yield s
     s.dispose()
+
+
+@pytest.fixture
+def mysql_store(mysql_url: str, table_prefix: str) -> Iterator[Store]:
+    """A migrated store of the test's own table prefix on the machine's MariaDB (its tables
+    dropped afterwards: MySQL has no schema per test)."""
+    s = Store(mysql_url, table_prefix)
+    s.migrate()
+    yield s
+    s.dispose()
+    drop_prefixed_tables(mysql_url, table_prefix)
 
 
 @pytest.fixture

@@ -27,15 +27,6 @@ from .helpers import owner, run, started
 
 
 @pytest.fixture
-def my_store(mysql_url: str, table_prefix: str) -> Iterator[Store]:
-    s = Store(mysql_url, table_prefix)
-    s.migrate()
-    yield s
-    s.dispose()
-    drop_prefixed_tables(mysql_url, table_prefix)
-
-
-@pytest.fixture
 def other(mysql_url: str) -> Iterator[Engine]:
     """Connections of a concurrent client (another worker, the user's own application)."""
     engine = create_engine(mysql_url)
@@ -43,8 +34,8 @@ def other(mysql_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-def test_every_store_session_is_utc_read_committed_utf8mb4(my_store: Store) -> None:
-    for engine in my_store.engines:
+def test_every_store_session_is_utc_read_committed_utf8mb4(mysql_store: Store) -> None:
+    for engine in mysql_store.engines:
         with engine.connect() as conn:
             row = conn.execute(text("SELECT @@time_zone, @@tx_isolation, "
                                     "@@character_set_client")).one()
@@ -52,20 +43,20 @@ def test_every_store_session_is_utc_read_committed_utf8mb4(my_store: Store) -> N
         assert tuple(row) == ("+00:00", "READ-COMMITTED", "utf8mb4"), engine
 
 
-def test_a_lock_wait_timeout_is_run_again_in_place(my_store: Store, other: Engine,
+def test_a_lock_wait_timeout_is_run_again_in_place(mysql_store: Store, other: Engine,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A row another transaction holds past ``innodb_lock_wait_timeout`` (1205) is a
     transient conflict: the heartbeat runs again once the holder lets go, and succeeds."""
-    me = started(my_store, owner())
+    me = started(mysql_store, owner())
 
-    @event.listens_for(my_store.engine, "connect")
+    @event.listens_for(mysql_store.engine, "connect")
     def _short_waits(dbapi_conn: object, _record: object) -> None:
         cur = dbapi_conn.cursor()  # type: ignore[attr-defined]
         cur.execute("SET SESSION innodb_lock_wait_timeout = 1")
         cur.close()
 
-    my_store.engine.dispose()  # the pool's connections get the setting
-    wk = my_store.t.workers
+    mysql_store.engine.dispose()  # the pool's connections get the setting
+    wk = mysql_store.t.workers
     caplog.set_level(logging.INFO, logger="celery_resilient.store.guard")
     holder = other.connect()
     holder.execute(text(f"SELECT 1 FROM {wk.name} WHERE incarnation = :i FOR UPDATE"),
@@ -79,7 +70,7 @@ def test_a_lock_wait_timeout_is_run_again_in_place(my_store: Store, other: Engin
     releaser = threading.Thread(target=release_after_the_first_rerun)
     releaser.start()
     try:
-        assert my_store.heartbeat(me, 30) is True
+        assert mysql_store.heartbeat(me, 30) is True
     finally:
         releaser.join(30)
         holder.close()
@@ -87,12 +78,12 @@ def test_a_lock_wait_timeout_is_run_again_in_place(my_store: Store, other: Engin
     assert reruns and "lock wait timeout (MySQL error 1205)" in reruns[0].getMessage()
 
 
-def test_a_deadlock_innodb_breaks_is_retryable(my_store: Store, other: Engine) -> None:
+def test_a_deadlock_innodb_breaks_is_retryable(mysql_store: Store, other: Engine) -> None:
     """Two transactions locking two rows in opposite orders: InnoDB rolls one back (1213),
     which the store classifies as retryable (its operations run it again in place)."""
     for key in ("a", "b"):
-        my_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", owner(), 30)
-    w = my_store.t.work.name
+        mysql_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", owner(), 30)
+    w = mysql_store.t.work.name
     lock = text(f"UPDATE {w} SET attempts = attempts + 1 WHERE work_key = :k")
     first, second = other.connect(), other.connect()
     first.execute(lock, {"k": "a"})
@@ -121,15 +112,15 @@ def test_a_deadlock_innodb_breaks_is_retryable(my_store: Store, other: Engine) -
 
 
 def test_the_per_task_statements_are_one_round_trip_each(
-        my_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        mysql_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """As on PostgreSQL: the take (its UPDATE, the read of its row and COMMIT in one packet),
     a checkpoint save and the finish each cost one command to the server, counted at the
     driver on a pooled connection (the counter wraps PyMySQL's command, it changes nothing)."""
-    me = started(my_store, owner())
+    me = started(mysql_store, owner())
     for key in ("warm", "k"):
-        my_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", me, 30)
-    warm = run(my_store, "warm", me, task_id="tid-warm")  # the autocommit pool connects
-    my_store.finish("warm", warm.epoch, None)
+        mysql_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", me, 30)
+    warm = run(mysql_store, "warm", me, task_id="tid-warm")  # the autocommit pool connects
+    mysql_store.finish("warm", warm.epoch, None)
     sent: list[str] = []
     command = pymysql.connections.Connection._execute_command
 
@@ -138,18 +129,18 @@ def test_the_per_task_statements_are_one_round_trip_each(
         return command(self, cmd, sql)  # type: ignore[arg-type]
 
     monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", counted)
-    claim = run(my_store, "k", me, task_id="tid-k")
+    claim = run(mysql_store, "k", me, task_id="tid-k")
     assert len(sent) == 1 and sent[0].startswith("START TRANSACTION; UPDATE"), sent
     sent.clear()
-    assert my_store.save_checkpoint("k", claim.epoch, '{"row": 1}') == 1
+    assert mysql_store.save_checkpoint("k", claim.epoch, '{"row": 1}') == 1
     assert len(sent) == 1, sent
     sent.clear()
-    my_store.finish("k", claim.epoch, '"ok"')
+    mysql_store.finish("k", claim.epoch, '"ok"')
     assert len(sent) == 1, sent
     monkeypatch.undo()
-    row = my_store.get_work("k")
+    row = mysql_store.get_work("k")
     assert row is not None and (row.state, row.epoch, row.result_json) == ("done", 1, '"ok"')
-    assert my_store.load_checkpoint("k") == ('{"row": 1}', 1)
+    assert mysql_store.load_checkpoint("k") == ('{"row": 1}', 1)
 
 
 def _interrupt(*_: object) -> None:
@@ -158,23 +149,23 @@ def _interrupt(*_: object) -> None:
 
 @pytest.mark.parametrize("path", ["begin", "single", "reading"])
 def test_an_interrupt_mid_statement_reaches_the_caller_and_no_reply_is_served_twice(
-        my_store: Store, path: str) -> None:
+        mysql_store: Store, path: str) -> None:
     """A soft time limit raised while PyMySQL waits for a reply: the caller sees it, and the
     connection left mid-reply never answers another call (the next ones read their own)."""
     previous = signal.signal(signal.SIGALRM, _interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.3)
-        with pytest.raises(SoftTimeLimitExceeded), getattr(my_store, path)() as conn:
+        with pytest.raises(SoftTimeLimitExceeded), getattr(mysql_store, path)() as conn:
             conn.execute(text("SELECT SLEEP(2)"))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     for n in range(4):
-        with getattr(my_store, path)() as conn:
+        with getattr(mysql_store, path)() as conn:
             assert conn.execute(text("SELECT :n"), {"n": n}).scalar_one() == n
 
 
-def test_statement_listeners_see_each_statement_of_the_take(my_store: Store) -> None:
+def test_statement_listeners_see_each_statement_of_the_take(mysql_store: Store) -> None:
     """With a tracer listening (OpenTelemetry, Sentry), the take is sent statement by
     statement inside its own transaction, so the tracer sees each one."""
     seen: list[str] = []
@@ -182,14 +173,14 @@ def test_statement_listeners_see_each_statement_of_the_take(my_store: Store) -> 
     def listen(_c: object, _cur: object, statement: str, *_: object) -> None:
         seen.append(statement.split(maxsplit=1)[0])
 
-    for engine in my_store.engines:
+    for engine in mysql_store.engines:
         event.listen(engine, "before_cursor_execute", listen)
-    me = started(my_store, owner())
-    my_store.record_receipt("k", "proj.task", "tid-k", None, "{}", me, 30)
+    me = started(mysql_store, owner())
+    mysql_store.record_receipt("k", "proj.task", "tid-k", None, "{}", me, 30)
     seen.clear()
-    claim = run(my_store, "k", me, task_id="tid-k")
+    claim = run(mysql_store, "k", me, task_id="tid-k")
     assert seen == ["START", "UPDATE", "SELECT", "COMMIT"] and claim.epoch == 1
-    row = my_store.get_work("k")
+    row = mysql_store.get_work("k")
     assert row is not None and (row.state, row.epoch, row.incarnation) == (
         "running", 1, me.incarnation)
 

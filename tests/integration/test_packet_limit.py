@@ -9,7 +9,6 @@ before anything is written; the connection stays usable, and values under the li
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -23,7 +22,6 @@ from celery_resilient.store import packet_limit
 from celery_resilient.store.batched_takes import TakeRequest
 from celery_resilient.store.sql import Store
 from celery_resilient.tasks.ledger import Ledger
-from celery_resilient.testing.services import drop_prefixed_tables
 
 from .helpers import execution, owner, run, started, take
 
@@ -46,15 +44,6 @@ def test_an_executemany_is_judged_row_by_row() -> None:
         packet_limit.check("INSERT INTO t VALUES (%(m)s)", [*rows, {"m": "z" * 990}], True, 1000)
 
 
-@pytest.fixture
-def my_store(mysql_url: str, table_prefix: str) -> Iterator[Store]:
-    s = Store(mysql_url, table_prefix)
-    s.migrate()
-    yield s
-    s.dispose()
-    drop_prefixed_tables(mysql_url, table_prefix)
-
-
 def _limit(store: Store) -> int:
     with store.engine.connect() as conn:
         value = int(conn.execute(text("SELECT @@max_allowed_packet")).scalar_one())
@@ -62,69 +51,70 @@ def _limit(store: Store) -> int:
     return value
 
 
-def test_an_oversized_result_is_refused_and_the_claim_stays_open(my_store: Store) -> None:
+def test_an_oversized_result_is_refused_and_the_claim_stays_open(mysql_store: Store) -> None:
     who = owner()
-    claim = run(my_store, "big-result", who)
-    limit = _limit(my_store)
+    claim = run(mysql_store, "big-result", who)
+    limit = _limit(mysql_store)
     with pytest.raises(PayloadTooLarge, match=rf"'Store\.finish'.*max_allowed_packet of {limit:,}"):
-        my_store.finish("big-result", claim.epoch, json.dumps("x" * limit))
-    row = my_store.get_work("big-result")
+        mysql_store.finish("big-result", claim.epoch, json.dumps("x" * limit))
+    row = mysql_store.get_work("big-result")
     assert row is not None and row.state == "running" and row.result_json is None
     # the same pooled connections go on: a result just under the limit is stored
     fits = json.dumps("x" * (limit - 4096))
-    my_store.finish("big-result", claim.epoch, fits)
-    row = my_store.get_work("big-result")
+    mysql_store.finish("big-result", claim.epoch, fits)
+    row = mysql_store.get_work("big-result")
     assert row is not None and row.state == "done" and row.result_json == fits
 
 
-def test_an_oversized_message_takes_no_claim(my_store: Store) -> None:
-    limit = _limit(my_store)
+def test_an_oversized_message_takes_no_claim(mysql_store: Store) -> None:
+    limit = _limit(mysql_store)
     big = json.dumps({"body": "a" * limit})
     with pytest.raises(PayloadTooLarge, match=r"'Store\.take'"):
-        my_store.take("big-args", "proj.task", "tid-big", None, owner(), 30.0, 5,
+        mysql_store.take("big-args", "proj.task", "tid-big", None, owner(), 30.0, 5,
                       lambda *_: True, message_if_new=lambda: big)
-    assert my_store.get_work("big-args") is None
-    assert take(my_store, "big-args", owner()).action == "run"  # nothing half-written
+    assert mysql_store.get_work("big-args") is None
+    assert take(mysql_store, "big-args", owner()).action == "run"  # nothing half-written
 
 
-def test_text_outside_the_bmp_is_measured_after_both_escapings(my_store: Store) -> None:
+def test_text_outside_the_bmp_is_measured_after_both_escapings(mysql_store: Store) -> None:
     """A step result of 5.2 MB of UTF-8 emoji: JSON escapes each as 12 characters and the
     driver doubles their backslashes, 17 MiB on the wire: refused, not dropped by the
     server. Before the step nothing is written, and the work can still finish."""
     who = owner()
-    claim = run(my_store, "emoji", who)
+    claim = run(mysql_store, "emoji", who)
     value = codec.encode("\N{GRINNING FACE}" * 1_300_000, "result of step 'emoji'")
     assert len(value.encode()) < 16 * MiB < packet_limit._sent_size(value)
     with pytest.raises(PayloadTooLarge, match=r"'Store\.put_step'"):
-        my_store.put_step("emoji", claim.epoch, "emoji", value)
-    assert my_store.get_step("emoji", "emoji") is None
-    my_store.finish("emoji", claim.epoch, json.dumps("ok"))
-    row = my_store.get_work("emoji")
+        mysql_store.put_step("emoji", claim.epoch, "emoji", value)
+    assert mysql_store.get_step("emoji", "emoji") is None
+    mysql_store.finish("emoji", claim.epoch, json.dumps("ok"))
+    row = mysql_store.get_work("emoji")
     assert row is not None and row.state == "done"
 
 
-def test_the_refusal_is_not_an_outage(my_store: Store) -> None:
+def test_the_refusal_is_not_an_outage(mysql_store: Store) -> None:
     """What made the task re-send itself for ever: the error must not be StoreUnavailable."""
-    claim = run(my_store, "not-outage", owner())
+    claim = run(mysql_store, "not-outage", owner())
+    state = json.dumps("c" * _limit(mysql_store))
     with pytest.raises(PayloadTooLarge) as caught:
-        my_store.save_checkpoint("not-outage", claim.epoch, json.dumps("c" * _limit(my_store)))
+        mysql_store.save_checkpoint("not-outage", claim.epoch, state)
     assert not isinstance(caught.value, StoreUnavailable)
     assert isinstance(caught.value, ValueError)
 
 
-def test_a_batch_leaves_an_oversized_message_to_its_careful_take(my_store: Store) -> None:
+def test_a_batch_leaves_an_oversized_message_to_its_careful_take(mysql_store: Store) -> None:
     """The batched takes send on the driver's own cursor, which no listener sees: the batch
     measures each new key's message itself and leaves one over the limit untaken (its pool
     process's careful take refuses it by name); the rest of the batch is taken."""
-    limit = _limit(my_store)
-    me = started(my_store, owner())
+    limit = _limit(mysql_store)
+    me = started(mysql_store, owner())
     big = TakeRequest("big", "proj.task", "tid-big", 0, None, None, "m" * limit)
     small = TakeRequest("small", "proj.task", "tid-small", 0, None, None, '{"m": 1}')
-    claims, _ = my_store.take_batch([big, small], [], me, 30.0, 5)
+    claims, _ = mysql_store.take_batch([big, small], [], me, 30.0, 5)
     assert set(claims) == {"small"}
-    assert my_store.get_work("big") is None
+    assert mysql_store.get_work("big") is None
     with pytest.raises(PayloadTooLarge, match=r"'Store\.take'"):
-        my_store.take("big", "proj.task", "tid-big", None, me, 30.0, 5, lambda *_: True,
+        mysql_store.take("big", "proj.task", "tid-big", None, me, 30.0, 5, lambda *_: True,
                       message_if_new=lambda: big.message_json)
 
 
@@ -138,31 +128,31 @@ def test_a_value_written_twice_by_one_statement_is_counted_twice() -> None:
 
 
 def test_a_checkpoint_the_save_writes_three_times_is_refused_not_dropped(
-        my_store: Store) -> None:
+        mysql_store: Store) -> None:
     """MySQL's checkpoint save writes its state in its SET and in two CASEs (did it change?):
     6 MiB of state is 18 MiB on the wire. Refused by name, the previous checkpoint kept."""
-    claim = run(my_store, "triple", owner())
-    assert my_store.save_checkpoint("triple", claim.epoch, json.dumps({"row": 1})) == 1
+    claim = run(mysql_store, "triple", owner())
+    assert mysql_store.save_checkpoint("triple", claim.epoch, json.dumps({"row": 1})) == 1
     with pytest.raises(PayloadTooLarge, match="max_allowed_packet"):
-        my_store.save_checkpoint("triple", claim.epoch, json.dumps("s" * (6 * MiB)))
-    assert my_store.load_checkpoint("triple") == (json.dumps({"row": 1}), 1)
+        mysql_store.save_checkpoint("triple", claim.epoch, json.dumps("s" * (6 * MiB)))
+    assert mysql_store.load_checkpoint("triple") == (json.dumps({"row": 1}), 1)
 
 
-def test_an_atomic_block_statement_using_a_value_twice_is_refused(my_store: Store) -> None:
+def test_an_atomic_block_statement_using_a_value_twice_is_refused(mysql_store: Store) -> None:
     """The user's own SQL in ``ledger.atomic()``, one bound value used twice (9 MiB, 18 on
     the wire): PayloadTooLarge, the block and its marker rolled back, not a store outage."""
-    claim = run(my_store, "atomic-twice", owner())
-    x = execution(my_store, claim)
-    with my_store.engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {my_store.prefix}notes (v LONGTEXT)"))
-    with pytest.raises(PayloadTooLarge), Ledger(my_store, x).atomic("note") as tx:
-        tx.execute(text(f"INSERT INTO {my_store.prefix}notes (v) "
+    claim = run(mysql_store, "atomic-twice", owner())
+    x = execution(mysql_store, claim)
+    with mysql_store.engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {mysql_store.prefix}notes (v LONGTEXT)"))
+    with pytest.raises(PayloadTooLarge), Ledger(mysql_store, x).atomic("note") as tx:
+        tx.execute(text(f"INSERT INTO {mysql_store.prefix}notes (v) "
                         "VALUES (IF(:v IS NULL, '', :v))"), {"v": "n" * (9 * MiB)})
-    with my_store.engine.connect() as conn:
-        count = conn.execute(text(f"SELECT COUNT(*) FROM {my_store.prefix}notes")).scalar_one()
+    with mysql_store.engine.connect() as conn:
+        count = conn.execute(text(f"SELECT COUNT(*) FROM {mysql_store.prefix}notes")).scalar_one()
         conn.rollback()
-    assert count == 0 and my_store.ledger_get("note") is None
-    with Ledger(my_store, x).atomic("note") as tx:  # the same block, a value that fits
-        tx.execute(text(f"INSERT INTO {my_store.prefix}notes (v) "
+    assert count == 0 and mysql_store.ledger_get("note") is None
+    with Ledger(mysql_store, x).atomic("note") as tx:  # the same block, a value that fits
+        tx.execute(text(f"INSERT INTO {mysql_store.prefix}notes (v) "
                         "VALUES (IF(:v IS NULL, '', :v))"), {"v": "small"})
-    assert my_store.ledger_get("note") is not None
+    assert mysql_store.ledger_get("note") is not None
