@@ -78,11 +78,11 @@ running+=("$compat")
 
 start=$SECONDS
 echo "== pytest, $RUNNERS processes: all but the tests marked alone and tests/celery_compat"
-limited 25m "${PYTEST[@]}" -n "$RUNNERS" --dist loadgroup --basetemp="$TMP/parallel" \
+limited 32m "${PYTEST[@]}" -n "$RUNNERS" --dist loadgroup --basetemp="$TMP/parallel" \
   --ignore=tests/celery_compat -m "not alone"
 running+=($!)
 status=0
-finish $! "pytest (parallel)" 25m || status=$?
+finish $! "pytest (parallel)" 32m || status=$?
 parallel="$(minutes $((SECONDS - start))), status $status"
 
 start=$SECONDS
