@@ -9,10 +9,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
 
 from celery_resilient.store import deadlines
+from celery_resilient.store.engine import sanitize_url
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,21 @@ class HeldSession:
     _conn: Connection | None
     #: How this dialect reads its server's start time on a connection.
     read_server_start: Callable[[Connection], float]
+
+    def __init__(self, url: str, key: int, deadline: float, engine_url: str | URL,
+                 connect_args: dict[str, Any]) -> None:
+        self.url = url
+        self.key = key
+        self.deadline = deadline
+        self.engine = create_engine(engine_url, poolclass=NullPool,
+                                    isolation_level="AUTOCOMMIT", connect_args=connect_args)
+        deadlines.install(self.engine)
+        self._conn = None
+        self.server = None
+        self.last_ok = 0.0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({sanitize_url(self.url)!r}, key={self.key})"
 
     @property
     def held(self) -> bool:

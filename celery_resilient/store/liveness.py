@@ -35,12 +35,10 @@ import logging
 import time
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
 
 from celery_resilient.store import deadlines
-from celery_resilient.store.engine import sanitize_url
 from celery_resilient.store.held_session import HeldSession
 from celery_resilient.store.liveness_mysql import MySQLSessionLock
 
@@ -142,21 +140,7 @@ class SessionLock(HeldSession):
 
     def __init__(self, url: str, prefix: str, incarnation: str,
                  deadline: float = PING_DEADLINE) -> None:
-        self.url = url
-        self.key = lock_key(prefix, incarnation)
-        #: Seconds a round trip on the session may go unanswered before it counts as lost.
-        self.deadline = deadline
-        self.engine: Engine = create_engine(url, poolclass=NullPool,
-                                            isolation_level="AUTOCOMMIT",
-                                            connect_args=_connect_args(url))
-        deadlines.install(self.engine)
-        self._conn: Connection | None = None
-        #: The server start the lock was taken on (None: not held).
-        self.server: float | None = None
-        self.last_ok = 0.0
-
-    def __repr__(self) -> str:
-        return f"SessionLock({sanitize_url(self.url)!r}, key={self.key})"
+        super().__init__(url, lock_key(prefix, incarnation), deadline, url, _connect_args(url))
 
     def acquire(self) -> float | None:
         """Open the session and take the lock; the server start, or None if another session

@@ -34,12 +34,11 @@ import time
 import zlib
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
 
 from celery_resilient.store import deadlines
-from celery_resilient.store.engine import MYSQL_SESSION, sanitize_url, utf8mb4_url
+from celery_resilient.store.engine import MYSQL_SESSION, utf8mb4_url
 from celery_resilient.store.held_session import HeldSession
 
 log = logging.getLogger(__name__)
@@ -113,20 +112,8 @@ class MySQLSessionLock(HeldSession):
     read_server_start = staticmethod(server_start)
 
     def __init__(self, url: str, key: int, deadline: float, detects_after: int) -> None:
-        self.url = url
-        self.key = key
-        self.deadline = deadline
+        super().__init__(url, key, deadline, utf8mb4_url(url), _connect_args(url, deadline))
         self.detects_after = detects_after
-        self.engine: Engine = create_engine(utf8mb4_url(url), poolclass=NullPool,
-                                            isolation_level="AUTOCOMMIT",
-                                            connect_args=_connect_args(url, deadline))
-        deadlines.install(self.engine)
-        self._conn: Connection | None = None
-        self.server: float | None = None
-        self.last_ok = 0.0
-
-    def __repr__(self) -> str:
-        return f"MySQLSessionLock({sanitize_url(self.url)!r}, key={self.key})"
 
     def acquire(self) -> float | None:
         """Open the session and take the lock; the server start, or None if another session
