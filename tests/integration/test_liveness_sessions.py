@@ -24,6 +24,7 @@ from celery_resilient.store.sql import (
     UNJUDGED,
     Store,
 )
+from celery_resilient.testing.services import drop_prefixed_tables
 from celery_resilient.testing.waiting import wait_for
 
 from .helpers import owner, take
@@ -49,6 +50,8 @@ def session_store(session_url: str, table_prefix: str) -> Iterator[Store]:
     s.migrate()
     yield s
     s.dispose()
+    if s.dialect.is_mysql:  # no schema per test there: its tables go
+        drop_prefixed_tables(session_url, table_prefix)
 
 
 def _hold(store: Store, incarnation: str) -> subprocess.Popen[str]:
