@@ -60,3 +60,29 @@ def test_small_tasks_end_while_another_body_holds_its_row(
     assert counts["atomic-held:held"] == 1 and counts["atomic-end:held"] == 1, counts
     assert all(counts[f"short:{k}"] == 1 for k in keys), counts
     assert "Traceback" not in worker.process.logs()
+
+
+def test_a_worker_killed_while_a_body_holds_its_row_applies_the_block_once(
+        project: Project, effect_log: EffectLog, tmp_path: Path) -> None:
+    """The whole worker SIGKILLed while the block holds its row (its started mark possibly
+    skipped): the block's transaction dies with it, the restarted worker takes the work back
+    and runs the block again, and its marker and effect commit once; small tasks sent beside
+    it end once each."""
+    worker = project.worker(concurrency=3)
+    flag = tmp_path / "let-go"
+    held = project.send("held_atomic", str(flag), task_id="held-kill")
+    wait_for(lambda: effect_log.count("atomic-held:held-kill") == 1, 30,
+             "the block to hold its row")
+    keys = [project.send("short", i, task_id=f"beside-{i}") for i in range(5)]
+    wait_for(lambda: all(project.state(k) == "done" for k in keys), 30,
+             "the small tasks to end while the block holds its row")
+    worker.kill("SIGKILL")
+    worker.restart()
+    wait_for(lambda: effect_log.count("atomic-held:held-kill") == 2, 90,
+             "the restarted worker to run the block again")
+    flag.touch()
+    wait_for(lambda: project.state(held) == "done", 30, "the block's task to end")
+    counts = effect_log.counts()
+    assert counts["atomic-end:held-kill"] == 1, counts
+    assert project.store.ledger_get("held-kill:atomic") is not None  # its marker
+    assert all(counts[f"short:{k}"] == 1 for k in keys), counts
