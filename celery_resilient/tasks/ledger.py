@@ -92,8 +92,8 @@ class Ledger:
         """One transaction holding the user's writes and the applied marker for ``key``.
 
         Use it for effects that live in the store's own database: either both commit or
-        neither does, so a replay finds ``tx.applied`` and skips. ``key`` defaults to the
-        running work key.
+        neither does, so a replay finds ``tx.applied`` and skips. ``key`` defaults to
+        ``"<work key>:atomic"`` of the running work.
         """
         if key is None:
             if self._x is None:
