@@ -12,6 +12,17 @@ PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
+# mysqlclient (the suite runs the MySQL store through both of its drivers) builds against the
+# MariaDB client library: Debian's libmariadb-dev, found through pkg-config.
+if ! pkg-config --exists libmariadb 2>/dev/null && ! pkg-config --exists mysqlclient 2>/dev/null
+then
+  echo "== installing libmariadb-dev and pkg-config (mysqlclient is built against them)"
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get install -y -q --no-install-recommends libmariadb-dev pkg-config >/dev/null \
+    || { $sudo apt-get update -q >/dev/null \
+         && $sudo apt-get install -y -q --no-install-recommends libmariadb-dev pkg-config >/dev/null; }
+fi
 "$VENV/bin/python" -m pip install -q --upgrade "pip>=25.1"
 "$VENV/bin/python" -m pip install -q -e . --group dev
 
@@ -30,7 +41,8 @@ fi
 #    Redis database and a RabbitMQ virtual host of its own (tests/conftest.py);
 #  - alone: the tests marked `alone` (timing bounds a busy machine overruns), one at a time,
 #    after the parallel phase; then the Django tests once more with Django's database on
-#    MySQL (MariaDB), its settings chosen per process (RESILIENT_TEST_DJANGO_DB);
+#    MySQL (MariaDB), its settings chosen per process (RESILIENT_TEST_DJANGO_DB); then the
+#    MySQL store's tests once more through the other driver, mysqlclient;
 #  - celery_compat: Celery's own integration suite, which waits far more than it computes, on
 #    Redis servers of its own, beside both, niced.
 # Each phase is bounded: past its limit it is interrupted (SIGINT to the phase's whole process
@@ -107,14 +119,29 @@ if [ -z "$interrupted" ]; then
 fi
 django_mysql="$(minutes $((SECONDS - start))), status $django_status"
 
+start=$SECONDS
+mysqldb_status=0
+if [ -z "$interrupted" ]; then
+  echo "== pytest, the MySQL store's tests once more through mysqlclient (mysql+mysqldb://)"
+  RESILIENT_TEST_MYSQL_URL="${RESILIENT_TEST_MYSQL_URL:-mysql+pymysql://root@127.0.0.1:3306/test}"
+  RESILIENT_TEST_MYSQL_URL="mysql+mysqldb://${RESILIENT_TEST_MYSQL_URL#*://}" \
+    limited 8m "${PYTEST[@]}" -n "$RUNNERS" --basetemp="$TMP/mysqldb" -m "not alone" \
+    -k "mariadb or mysql" tests/unit tests/integration tests/e2e/test_kill_mid_task.py \
+    tests/e2e/test_poison.py tests/e2e/test_partitions.py tests/e2e/test_held_rows.py
+  running+=($!)
+  finish $! "pytest (mysqlclient)" 8m || mysqldb_status=$?
+fi
+mysqldb="$(minutes $((SECONDS - start))), status $mysqldb_status"
+
 compat_status=0
 finish "$compat" "pytest tests/celery_compat" 35m >>"$compat_log" || compat_status=$?
 compat_took=$(minutes $(($(stat -c %Y "$compat_log") - compat_start)))
 echo "== pytest tests/celery_compat (Celery's integration suite, run beside the rest)"
 cat "$compat_log"
 echo "== pytest times: parallel $parallel; alone $alone; Django on MySQL $django_mysql;" \
+  "mysqlclient $mysqldb;" \
   "celery_compat $compat_took, status $compat_status (beside them)"
 if [ -n "$interrupted" ]; then exit 130; fi
-for s in "$status" "$alone_status" "$django_status" "$compat_status"; do
+for s in "$status" "$alone_status" "$django_status" "$mysqldb_status" "$compat_status"; do
   if [ "$s" -ne 0 ]; then exit "$s"; fi
 done

@@ -15,7 +15,7 @@ connection, which the caller's retry guard reports as the store being unavailabl
 pool replaces the connection. Connections are unregistered when they go back to the pool,
 so an idle pooled connection is never shut down.
 
-Only drivers with a socket (PostgreSQL) are bounded; SQLite waits on file locks, which its
+Only drivers with a socket (PostgreSQL, MySQL) are bounded; SQLite waits on file locks, which its
 busy timeout bounds.
 """
 
@@ -43,7 +43,9 @@ class Scope:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.deadline = time.monotonic() + seconds
-        self.conns: dict[int, Any] = {}
+        #: Each connection with its socket's descriptor, read when registered (by the thread
+        #: that uses it: mysqlclient refuses any call from another thread meanwhile).
+        self.conns: dict[int, tuple[Any, int]] = {}
         #: Set by the watchdog when it shut this operation's connections down.
         self.expired = False
         self.ended = False
@@ -82,9 +84,17 @@ def thread_default() -> float | None:
     return getattr(_local, "bound", None)
 
 
+def _closed(dbapi_conn: Any) -> bool:
+    """Read without calling the driver (a plain attribute, safe from any thread): psycopg's
+    ``closed``, mysqlclient's ``open``, PyMySQL's ``_sock``."""
+    if getattr(dbapi_conn, "closed", False) or not getattr(dbapi_conn, "open", True):
+        return True
+    return hasattr(dbapi_conn, "_sock") and dbapi_conn._sock is None
+
+
 def _fileno(dbapi_conn: Any) -> int | None:
     try:
-        if getattr(dbapi_conn, "closed", False):
+        if _closed(dbapi_conn):
             return None
         if not hasattr(dbapi_conn, "fileno"):  # PyMySQL keeps its socket as ``_sock``
             sock = getattr(dbapi_conn, "_sock", None)
@@ -102,8 +112,10 @@ def watch(dbapi_conn: Any) -> None:
 
 def _register(dbapi_conn: Any) -> None:
     scope = current()
-    if scope is not None and _fileno(dbapi_conn) is not None:
-        _watchdog().register(scope, dbapi_conn)
+    if scope is not None:
+        fd = _fileno(dbapi_conn)
+        if fd is not None:
+            _watchdog().register(scope, dbapi_conn, fd)
 
 
 def _unregister(dbapi_conn: Any) -> None:
@@ -128,10 +140,15 @@ def install(engine: Engine) -> None:
 
 
 
-def shut(dbapi_conn: Any) -> bool:
-    """Shut the connection's socket down both ways, so a call blocked on it fails now."""
-    fd = _fileno(dbapi_conn)
+def shut(dbapi_conn: Any, fd: int | None = None) -> bool:
+    """Shut the connection's socket down both ways, so a call blocked on it fails now.
+
+    ``fd``: its descriptor as read by the thread that uses it (the watchdog's own thread
+    may not ask mysqlclient for it); never used once the connection is closed, when the
+    number may name another file."""
     if fd is None:
+        fd = _fileno(dbapi_conn)
+    if fd is None or _closed(dbapi_conn):
         return False
     try:
         with socket.socket(fileno=os.dup(fd)) as sock:
@@ -151,14 +168,14 @@ class _Watchdog(threading.Thread):
         self._heap: list[tuple[float, int, Scope]] = []
         self._order = itertools.count()
 
-    def register(self, scope: Scope, dbapi_conn: Any) -> None:
+    def register(self, scope: Scope, dbapi_conn: Any, fd: int) -> None:
         with self._cond:
             if scope.ended:
                 return
             first = not scope.conns
-            scope.conns[id(dbapi_conn)] = dbapi_conn
+            scope.conns[id(dbapi_conn)] = (dbapi_conn, fd)
             if scope.expired:  # past its deadline already: no more round trips
-                shut(dbapi_conn)
+                shut(dbapi_conn, fd)
             elif first:
                 heapq.heappush(self._heap, (scope.deadline, next(self._order), scope))
                 self._cond.notify()
@@ -190,8 +207,8 @@ class _Watchdog(threading.Thread):
                     continue
                 scope.expired = True
                 conns = list(scope.conns.values())
-                for conn in conns:
-                    shut(conn)
+                for conn, fd in conns:
+                    shut(conn, fd)
             log.warning("the store did not answer within %gs: %d connection(s) closed, "
                         "the operation counts as failed", scope.seconds, len(conns),
                         extra={"action": "store_deadline"})

@@ -124,6 +124,10 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
     (:mod:`.hot_mysql`). Only the store's own statements run there, every value bound.
     """
     engine = create_engine(utf8mb4_url(url),
+                           # named placeholders whichever the driver (mysqlclient defaults
+                           # to positional ones): the fast paths send their statements on
+                           # the driver's cursor with one dict of values, written once
+                           paramstyle="pyformat",
                            isolation_level="AUTOCOMMIT" if autocommit else "READ COMMITTED",
                            pool_reset_on_return=None if autocommit else "rollback",
                            pool_size=2 if autocommit else 5,
@@ -134,15 +138,21 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
         rollback = engine.dialect.do_rollback
 
         def do_rollback(dbapi_conn: Any) -> None:
-            # SQLAlchemy rolls back every connection it closes; PyMySQL sends that ROLLBACK
-            # even in autocommit, a round trip per hot statement for nothing. The server's
-            # status in the last reply says whether a transaction is open (a local read).
+            # SQLAlchemy rolls back every connection it closes; both drivers send that
+            # ROLLBACK even in autocommit, a round trip per hot statement for nothing. No
+            # transaction is open here: the only ones on these sessions are the take's, and
+            # a connection that raised anything inside one is dropped, never returned
+            # (``Database._autocommitted``). PyMySQL also tells, from the server's status in
+            # its last reply (a local read); mysqlclient keeps that status to itself.
             status = getattr(dbapi_conn, "server_status", None)
-            if isinstance(status, int) and not status & SERVER_STATUS_IN_TRANS:
+            if not isinstance(status, int) or not status & SERVER_STATUS_IN_TRANS:
                 return
             rollback(dbapi_conn)
 
         engine.dialect.do_rollback = do_rollback  # type: ignore[method-assign,assignment]
+
+    if engine.dialect.driver == "mysqldb":
+        _rows_one_by_one(engine)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -155,6 +165,25 @@ def _mysql_engine(url: str, autocommit: bool) -> Engine:
 
     packet_limit.install(engine)
     return engine
+
+
+def _rows_one_by_one(engine: Engine) -> None:
+    """mysqlclient's ``executemany`` rewrites an ``INSERT ... VALUES (...)`` into one
+    multi-row statement but sends what follows the VALUES as written: the placeholders of an
+    ``ON DUPLICATE KEY UPDATE`` (the receipts' upsert) would reach the server unfilled. Such
+    statements run one row at a time, as PyMySQL runs them."""
+    many = engine.dialect.do_executemany
+
+    def do_executemany(cursor: Any, statement: str, parameters: Any, context: Any = None,
+                       ) -> None:
+        if "ON DUPLICATE KEY UPDATE" not in statement:
+            many(cursor, statement, parameters, context)
+            return
+        rowcount = sum(cursor.execute(statement, row) for row in parameters)
+        if context is not None:
+            context._rowcount = rowcount
+
+    engine.dialect.do_executemany = do_executemany  # type: ignore[method-assign]
 
 
 #: MySQL protocol capability flags (the same for PyMySQL and mysqlclient): matched rather
@@ -209,7 +238,8 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
         raise ConfigurationError(
             f"resilient_store_url={sanitize_url(url)!r} names a database driver that is not "
             f"installed or does not exist ({exc}); e.g. install the postgres extra for "
-            "postgresql+psycopg://, the mysql extra for mysql+pymysql://"
+            "postgresql+psycopg://, the mysql extra for mysql+pymysql://, the mysqlclient "
+            "extra for mysql+mysqldb://"
         ) from None
 
 

@@ -11,10 +11,12 @@ import sys
 import threading
 from collections.abc import Iterator
 
+import MySQLdb.connections  # type: ignore[import-untyped]
 import pymysql.connections
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from celery_resilient.store import transient
@@ -111,17 +113,25 @@ def test_a_deadlock_innodb_breaks_is_retryable(mysql_store: Store, other: Engine
     assert transient.describe(errors[0]) == "deadlock found (MySQL error 1213)"
 
 
-def test_the_per_task_statements_are_one_round_trip_each(
-        mysql_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As on PostgreSQL: the take (its UPDATE, the read of its row and COMMIT in one packet),
-    a checkpoint save and the finish each cost one command to the server, counted at the
-    driver on a pooled connection (the counter wraps PyMySQL's command, it changes nothing)."""
-    me = started(mysql_store, owner())
-    for key in ("warm", "k"):
-        mysql_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", me, 30)
-    warm = run(mysql_store, "warm", me, task_id="tid-warm")  # the autocommit pool connects
-    mysql_store.finish("warm", warm.epoch, None)
-    sent: list[str] = []
+def _count_commands(monkeypatch: pytest.MonkeyPatch, store: Store, sent: list[str]) -> None:
+    """Record every command the store's driver sends (the wrappers change nothing): PyMySQL's
+    one command method, or mysqlclient's query, commit and rollback."""
+    if make_url(store.url).get_driver_name() == "mysqldb":
+        connection = MySQLdb.connections.Connection
+
+        def wrap(name: str) -> None:
+            method = getattr(connection, name)
+
+            def counted(self: object, *args: object) -> object:
+                sql = args[0] if args else name.upper()
+                sent.append(sql.decode() if isinstance(sql, bytes) else str(sql))
+                return method(self, *args)
+
+            monkeypatch.setattr(connection, name, counted)
+
+        for name in ("query", "commit", "rollback"):
+            wrap(name)
+        return
     command = pymysql.connections.Connection._execute_command
 
     def counted(self: object, cmd: int, sql: object) -> object:
@@ -129,6 +139,20 @@ def test_the_per_task_statements_are_one_round_trip_each(
         return command(self, cmd, sql)  # type: ignore[arg-type]
 
     monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", counted)
+
+
+def test_the_per_task_statements_are_one_round_trip_each(
+        mysql_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on PostgreSQL: the take (its UPDATE, the read of its row and COMMIT in one packet),
+    a checkpoint save and the finish each cost one command to the server, counted at the
+    driver on a pooled connection, whichever driver the URL names."""
+    me = started(mysql_store, owner())
+    for key in ("warm", "k"):
+        mysql_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", me, 30)
+    warm = run(mysql_store, "warm", me, task_id="tid-warm")  # the autocommit pool connects
+    mysql_store.finish("warm", warm.epoch, None)
+    sent: list[str] = []
+    _count_commands(monkeypatch, mysql_store, sent)
     claim = run(mysql_store, "k", me, task_id="tid-k")
     assert len(sent) == 1 and sent[0].startswith("START TRANSACTION; UPDATE"), sent
     sent.clear()

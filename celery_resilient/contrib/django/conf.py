@@ -11,6 +11,7 @@ nothing else set one.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from collections.abc import Mapping
@@ -54,11 +55,11 @@ def database_url(alias: str = "default",
 
     PostgreSQL becomes ``postgresql+psycopg://`` (psycopg 3, the ``postgres`` extra) with
     the string-valued libpq ``OPTIONS``; MySQL/MariaDB becomes ``mysql+pymysql://`` (the
-    ``mysql`` extra) with its ``charset``, ``init_command``, ``ssl`` and other connection
-    ``OPTIONS``; SQLite becomes ``sqlite:///<absolute path>``. An
-    in-memory SQLite database or another engine raises :class:`ConfigurationError`: set
-    ``CELERY_RESILIENT_STORE_URL`` then. The returned URL holds the password: log it only
-    through :func:`celery_resilient.store.engine.sanitize_url`.
+    ``mysql`` extra; ``mysql+mysqldb://`` where only mysqlclient is installed) with its
+    ``charset``, ``init_command``, ``ssl`` and other connection ``OPTIONS``; SQLite becomes
+    ``sqlite:///<absolute path>``. An in-memory SQLite database or another engine raises
+    :class:`ConfigurationError`: set ``CELERY_RESILIENT_STORE_URL`` then. The returned URL
+    holds the password: log it only through :func:`celery_resilient.store.engine.sanitize_url`.
     """
     dbs = settings.DATABASES if databases is None else databases
     if alias not in dbs:
@@ -101,8 +102,17 @@ def database_url(alias: str = "default",
         f"PostgreSQL, MySQL/MariaDB or SQLite: set {SETTINGS_PREFIX}STORE_URL")
 
 
+def _mysql_driver() -> str:
+    """PyMySQL when installed (the ``mysql`` extra); otherwise mysqlclient, Django's own
+    default driver, when that is what the project has (``mysql+mysqldb://``)."""
+    if importlib.util.find_spec("pymysql") is None and importlib.util.find_spec("MySQLdb"):
+        return "mysql+mysqldb"
+    return "mysql+pymysql"
+
+
 def _mysql_url(db: Mapping[str, Any]) -> str:
-    """``mysql+pymysql://`` for a Django MySQL database, its connection OPTIONS carried."""
+    """``mysql+pymysql://`` (or ``mysql+mysqldb://``: :func:`_mysql_driver`) for a Django
+    MySQL database, its connection OPTIONS carried."""
     options = db.get("OPTIONS") or {}
     query: dict[str, str] = {}
     for k in _MYSQL_OPTIONS:
@@ -121,7 +131,7 @@ def _mysql_url(db: Mapping[str, Any]) -> str:
     port = db.get("PORT")
     database = db.get("NAME")
     url = URL.create(
-        "mysql+pymysql",
+        _mysql_driver(),
         username=db.get("USER") or None,
         password=db.get("PASSWORD") or None,
         host=host,

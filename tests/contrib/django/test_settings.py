@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -157,6 +158,19 @@ def test_database_url_conversion(db_settings: dict[str, Any], expected: str) -> 
     assert url == expected
     if "PASSWORD" in db_settings:
         assert make_url(url).password == db_settings["PASSWORD"]  # escaped, not mangled
+
+
+def test_a_project_with_only_mysqlclient_gets_a_mysqldb_store_url(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Django's default MySQL driver is mysqlclient: a project that has it and not PyMySQL
+    gets a store on it rather than an engine that cannot load."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pymysql" else real(name, *a))
+    db = {"ENGINE": "django.db.backends.mysql", "NAME": "shop", "USER": "app",
+          "HOST": "db.internal", "OPTIONS": {"charset": "utf8mb4"}}
+    assert database_url("default", {"default": db}) == (
+        "mysql+mysqldb://app@db.internal/shop?charset=utf8mb4")
 
 
 def test_a_unix_socket_host_reaches_the_server_as_django_does() -> None:
