@@ -187,6 +187,23 @@ class ThrowawayMariaDB:
         """The URL by one of its other addresses (``also_listen``)."""
         return self.url.replace("@127.0.0.1:", f"@{host}:")
 
+    @property
+    def app_url(self) -> str:
+        """The ``test`` database as an application's user (all rights on it, no server
+        administration), whom :meth:`read_only` refuses every write."""
+        return self.url.replace("//root@", "//app@")
+
+    def read_only(self, on: bool) -> None:
+        """What clients meet when a failover sends them to a replica: ``read_only``, every
+        write by a user without ``READ ONLY ADMIN`` refused (error 1290), open sessions
+        included."""
+        engine = create_engine(self.url, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.execute(text(f"SET GLOBAL read_only = {'ON' if on else 'OFF'}"))
+        finally:
+            engine.dispose()
+
     def start(self) -> None:
         # Clients on other addresses are matched by address, never by a reverse DNS lookup
         # (which can stall each new connection where no resolver answers).
@@ -204,6 +221,11 @@ class ThrowawayMariaDB:
         try:
             with engine.begin() as conn:
                 conn.execute(text("CREATE DATABASE IF NOT EXISTS test"))
+                # An application's user, without READ ONLY ADMIN (root writes on a
+                # read-only server): ``app_url``.
+                for host in ("localhost", "127.0.0.1", "%"):
+                    conn.execute(text(f"CREATE USER IF NOT EXISTS 'app'@'{host}'"))
+                    conn.execute(text(f"GRANT ALL PRIVILEGES ON test.* TO 'app'@'{host}'"))
                 if self.also_listen:
                     conn.execute(text("CREATE USER IF NOT EXISTS 'root'@'%'"))
                     conn.execute(text("GRANT ALL PRIVILEGES ON *.* TO 'root'@'%' "

@@ -114,14 +114,18 @@ def test_postgresql_outage_mid_task_loses_nothing(
 @pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
 def test_a_read_only_server_mid_task_loses_nothing(make_project: Callable[..., Project],
                                                    broker_url: str,
-                                                   throwaway_pg: ThrowawayPostgres,
+                                                   outage_server: ThrowawayPostgres
+                                                   | ThrowawayMariaDB,
                                                    effect_log: EffectLog) -> None:
     """A failover's first moments: the server answers but refuses every write (SQLSTATE
-    25006, a standby). On a real worker that is an outage, as for a stopped server: the
-    running task's checkpoint and a new task's take fail, both are re-sent, neither is
-    failed (its message acked as FAILURE, the work lost), and once writes are accepted again
-    each finishes once, resumed from its checkpoint."""
-    project = make_project(broker_url, throwaway_pg.url)
+    25006 from a PostgreSQL standby; MySQL error 1290 from a MariaDB replica, to a user
+    without ``READ ONLY ADMIN``). On a real worker that is an outage, as for a stopped
+    server: the running task's checkpoint and a new task's take fail, both are re-sent,
+    neither is failed (its message acked as FAILURE, the work lost), and once writes are
+    accepted again each finishes once, resumed from its checkpoint."""
+    throwaway_pg = outage_server
+    mariadb = isinstance(outage_server, ThrowawayMariaDB)
+    project = make_project(broker_url, outage_server.app_url if mariadb else outage_server.url)
     project.extra = {"resilient_store_retry_base": 0.5, "resilient_store_retry_max": 2}
     worker = project.worker()
     key = project.send("ingest", ROWS, DELAY, task_id="readonly-ingest")
@@ -133,7 +137,7 @@ def test_a_read_only_server_mid_task_loses_nothing(make_project: Callable[..., P
              "the worker to re-send the running task")
     wait_for(lambda: _store_retries(worker.process.logs(), short_key) >= 1, 30,
              "the worker to re-send the task sent while writes are refused")
-    assert "25006" in worker.process.logs()
+    assert ("MySQL error 1290" if mariadb else "25006") in worker.process.logs()
     assert project.state(short_key) is None  # its take was never written
 
     throwaway_pg.read_only(False)
