@@ -33,10 +33,13 @@ pytestmark = pytest.mark.chaos
 KILLS = 20
 
 
-@pytest.fixture
-def beatproj(table_prefix: str, resilient_nodes: NodeFactory, redis_url: str, pg_url: str,
-             queue_name: str, effect_log: EffectLog) -> Iterator[BeatProject]:
-    project = BeatProject(resilient_nodes, redis_url, pg_url, table_prefix, queue_name,
+@pytest.fixture(params=["postgresql", "mariadb"])
+def beatproj(request: pytest.FixtureRequest, table_prefix: str, resilient_nodes: NodeFactory,
+             redis_url: str, pg_url: str, mysql_url: str, queue_name: str,
+             effect_log: EffectLog) -> Iterator[BeatProject]:
+    """The beats' slot claims in the machine's PostgreSQL or MariaDB."""
+    store_url = mysql_url if request.param == "mariadb" else pg_url
+    project = BeatProject(resilient_nodes, redis_url, store_url, table_prefix, queue_name,
                           effect_log)
     yield project
     project.close()
