@@ -1,8 +1,11 @@
-"""Many workers on one store: the PostgreSQL store's hot path from 1 to 64 concurrent processes.
+"""Many workers on one store: the store's hot path from 1 to 64 concurrent processes.
 
 What: each simulated pool process is a real OS process (``multiprocessing``, fork) with its own
-``Store`` and engine, against one PostgreSQL database under a throwaway table prefix (dropped
-afterwards). It calls only the ``Store`` methods a worker calls, in the worker's order:
+``Store`` and engine, against one database under a throwaway table prefix (dropped afterwards).
+``--stores postgresql,mysql`` runs the same levels against each store in turn, in the order given
+(MySQL/MariaDB at ``--mysql-url``), each under a prefix of its own, so the two stores are compared
+on the same machine in the same run; the default is ``postgresql`` alone. It calls only the
+``Store`` methods a worker calls, in the worker's order:
 
 - at start: ``register`` (one incarnation per simulated worker, as ``ResilientWorkerStep.start``);
 - per unit of work: the receipt (``record_receipts``, one multi-row statement per batch of
@@ -28,21 +31,33 @@ PostgreSQL's view of the same window: transactions committed/s and WAL flushes/s
 too), the mean number of this run's backends that were active, idle in a transaction or idle
 (``pg_stat_activity`` sampled every 0.1 s, by ``application_name``) and what the active ones
 waited on, and the machine's CPU use (``/proc/stat``) with the simulated workers' share.
+For MySQL/MariaDB the same window is read from ``SHOW GLOBAL STATUS`` deltas, server-wide (every
+client of the server counts, whatever its database): commits/s (``Handler_commit``: it counts each
+statement's commit as well as each transaction's, so an explicit transaction of n statements counts
+n + 1 and an autocommitted statement 1, read-only ones too; ``Com_commit`` counts the explicit
+``COMMIT`` statements, not the autocommitted ones), redo log flushes/s (``Innodb_os_log_fsyncs``;
+MariaDB 10.8 dropped it, so there ``Innodb_log_writes``: at ``innodb_flush_log_at_trx_commit=1``
+each group commit's write is followed by one flush), every InnoDB fsync/s (``Innodb_data_fsyncs``,
+data files too), rollbacks (``Handler_rollback``), ``Innodb_row_lock_waits`` with their total wait,
+``Innodb_deadlocks``, and ``Threads_running`` sampled every 0.1 s (less the sampler's own), the
+nearest thing to PostgreSQL's active backends.
 
-Before the load levels, a session-state check (``--no-session-check`` skips it) tells whether
-the hot path could run behind a transaction-mode pooler (PgBouncer ``pool_mode=transaction``,
-none is installed here): it records every SQL statement of a unit, a heartbeat and a sweep
-(SQLAlchemy ``before_cursor_execute``) and looks for session state (``SET`` without ``LOCAL``,
-advisory locks, ``LISTEN``, ``PREPARE``, temporary tables, ``WITH HOLD`` cursors), lists the
-server-side prepared statements the driver left on the connection (``pg_prepared_statements``;
-psycopg 3 prepares a statement after its 5th execution), and runs the hot path for a few seconds
-on one process three ways: the Store's own pooled engine, a fresh connection per transaction
-(``NullPool``: nothing survives between transactions), and a pooled engine with psycopg's
-automatic prepared statements off (``prepare_threshold=None``). The engine swap is the only
-thing this script does behind the ``Store``'s back (the Store builds its engine privately).
+Before the load levels (PostgreSQL only), a session-state check (``--no-session-check`` skips it)
+tells whether the hot path could run behind a transaction-mode pooler (PgBouncer
+``pool_mode=transaction``, none is installed here): it records every SQL statement of a unit, a
+heartbeat and a sweep (SQLAlchemy ``before_cursor_execute``) and looks for session state (``SET``
+without ``LOCAL``, advisory locks, ``LISTEN``, ``PREPARE``, temporary tables, ``WITH HOLD``
+cursors), lists the server-side prepared statements the driver left on the connection
+(``pg_prepared_statements``; psycopg 3 prepares a statement after its 5th execution), and runs the
+hot path for a few seconds on one process three ways: the Store's own pooled engine, a fresh
+connection per transaction (``NullPool``: nothing survives between transactions), and a pooled
+engine with psycopg's automatic prepared statements off (``prepare_threshold=None``). The engine
+swap is the only thing this script does behind the ``Store``'s back (the Store builds its engine
+privately).
 
     PYTHONPATH=. python benchmarks/store_load.py [--levels 1,4,16,64] [--seconds 10]
     PYTHONPATH=. python benchmarks/store_load.py --quick      # 1,4,16 for 4 s each, < 60 s
+    PYTHONPATH=. python benchmarks/store_load.py --quick --stores postgresql,mysql
 
 Prints markdown tables (stdout); progress goes to stderr.
 """
@@ -51,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -64,7 +80,7 @@ import traceback
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 import sqlalchemy
@@ -83,6 +99,8 @@ from celery_resilient.tasks.execution import Execution
 from celery_resilient.testing.services import drop_prefixed_tables
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306/test"
+STORES = ("postgresql", "mysql")
 TASK = "bench.store_load"
 PROBE = "store_load_probe"  # marks this script's own catalog queries
 CONFIG = ResilientConfig()
@@ -282,6 +300,78 @@ class PgView:
     def close(self) -> None:
         self.conn.close()
 
+    def sampled(self) -> dict[str, Any]:
+        return {"states": {k: v / max(self.samples, 1) for k, v in self.states.items()},
+                "waits": self.waits, "lock_waits": self.lock_waits / max(self.samples, 1),
+                "samples": self.samples}
+
+
+class MySQLView:
+    """MySQL/MariaDB's global status counters over one window, ``Threads_running`` sampled.
+
+    Server-wide, unlike ``pg_stat_database``: other clients of the server count too."""
+
+    COUNTERS = {"commits": "Handler_commit", "commit_statements": "Com_commit",
+                "rollbacks": "Handler_rollback",
+                "log_fsyncs": "Innodb_os_log_fsyncs", "log_writes": "Innodb_log_writes",
+                "fsyncs": "Innodb_data_fsyncs", "log_bytes": "Innodb_os_log_written",
+                "row_lock_waits": "Innodb_row_lock_waits", "row_lock_ms": "Innodb_row_lock_time",
+                "deadlocks": "Innodb_deadlocks"}
+
+    def __init__(self, url: str, interval: float = 0.1) -> None:
+        self.engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+        self.conn = self.engine.connect()
+        self.interval = interval
+        self.samples = 0
+        self.running = 0.0
+        self.connected_max = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def counters(self) -> dict[str, float]:
+        status: dict[str, str] = dict(self.conn.exec_driver_sql("SHOW GLOBAL STATUS").all())
+        # A counter this server lacks (Innodb_os_log_fsyncs on MariaDB >= 10.8) stays absent.
+        return {k: float(status[v]) for k, v in self.COUNTERS.items() if v in status}
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            status: dict[str, str] = dict(self.conn.exec_driver_sql(
+                "SHOW GLOBAL STATUS WHERE Variable_name IN "
+                "('Threads_running', 'Threads_connected')").all())
+            self.samples += 1
+            self.running += int(status["Threads_running"]) - 1  # less this query's own
+            self.connected_max = max(self.connected_max, int(status["Threads_connected"]))
+            self._stop.wait(self.interval)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def close(self) -> None:
+        self.conn.close()
+        self.engine.dispose()
+
+    def sampled(self) -> dict[str, Any]:
+        return {"running": self.running / max(self.samples, 1),
+                "connected_max": self.connected_max, "samples": self.samples}
+
+
+class ServerView(Protocol):
+    """What ``run_level`` needs of a server's view of a window (``PgView``, ``MySQLView``)."""
+
+    def counters(self) -> dict[str, float]: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def sampled(self) -> dict[str, Any]: ...
+
 
 def cpu_busy() -> tuple[float, float]:
     with open("/proc/stat") as f:
@@ -291,7 +381,7 @@ def cpu_busy() -> tuple[float, float]:
 
 
 def run_level(args: argparse.Namespace, procs: int, url: str, prefix: str,
-              dsn: str, tag: str) -> dict[str, Any]:
+              open_view: Callable[[], ServerView]) -> dict[str, Any]:
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(procs + 1)
     results = ctx.Queue()
@@ -303,7 +393,7 @@ def run_level(args: argparse.Namespace, procs: int, url: str, prefix: str,
             for i in range(procs)]
     for k in kids:
         k.start()
-    view = PgView(dsn, tag)
+    view = open_view()
     with contextlib.suppress(threading.BrokenBarrierError):
         barrier.wait(timeout=180)
     before = view.counters()
@@ -319,6 +409,7 @@ def run_level(args: argparse.Namespace, procs: int, url: str, prefix: str,
         k.join(timeout=30)
     time.sleep(0.5)  # backends flush their statistics when they exit
     after = view.counters()
+    sampled = view.sampled()
     view.close()
     errors = [r["error"] for r in out if "error" in r]
     if errors:
@@ -337,10 +428,7 @@ def run_level(args: argparse.Namespace, procs: int, url: str, prefix: str,
         "times": times, "orphans": sum(r["orphans"] for r in out),
         "client_cpu": sum(r["cpu"] for r in out) / window / (os.cpu_count() or 1),
         "cpu_busy": 1 - idle / total if total else 0.0,
-        "pg": delta, "window": window,
-        "states": {k: v / max(view.samples, 1) for k, v in view.states.items()},
-        "waits": view.waits, "lock_waits": view.lock_waits / max(view.samples, 1),
-        "samples": view.samples,
+        "server": delta, "window": window, **sampled,
     }
 
 
@@ -350,7 +438,8 @@ def fmt(values: list[float]) -> str:
     return f"{percentile(values, 50):.2f} / {percentile(values, 99):.2f}"
 
 
-def tables(levels: list[dict[str, Any]]) -> str:
+def tables(levels: list[dict[str, Any]], name: str) -> str:
+    """The store's own tables, headed with its name: units/s and latency, the sweep's parts."""
     base = levels[0]["units_s"] / levels[0]["procs"] if levels else 1.0
     lat = []
     for r in levels:
@@ -360,17 +449,21 @@ def tables(levels: list[dict[str, Any]]) -> str:
                     fmt(t["take"]), fmt(t["save"]), fmt(t["finish"]), fmt(t["unit"]),
                     fmt(t["receipts"]), fmt(t["heartbeat"]), fmt(t["sweep"]),
                     len(t["sweep"])])
-    out = ["### Units/s and latency (ms, p50 / p99)\n", markdown_table(
+    out = [f"### {name}: units/s and latency (ms, p50 / p99)\n", markdown_table(
         ["procs", "workers", "units/s", "per-proc efficiency", "take", "checkpoint save",
          "finish", "unit (take..finish)", "receipts (batch)", "heartbeat",
          "sweep (reconcile+up_for+claim_orphans)", "sweeps"], lat)]
     sweep = [[r["procs"], fmt(r["times"]["reconcile"]), fmt(r["times"]["up_for"]),
               fmt(r["times"]["claim_orphans"]), r["orphans"]] for r in levels]
-    out += ["\n### The sweep's parts (ms, p50 / p99)\n", markdown_table(
+    out += [f"\n### {name}: the sweep's parts (ms, p50 / p99)\n", markdown_table(
         ["procs", "reconcile", "up_for", "claim_orphans", "orphans found (expect 0)"], sweep)]
+    return "\n".join(out)
+
+
+def pg_table(levels: list[dict[str, Any]]) -> str:
     pg = []
     for r in levels:
-        d, w = r["pg"], r["elapsed"]
+        d, w = r["server"], r["elapsed"]
         active = r["states"].get("active", 0.0)
         top = r["waits"].most_common(4)
         n = sum(r["waits"].values()) or 1
@@ -382,12 +475,41 @@ def tables(levels: list[dict[str, Any]]) -> str:
                    ", ".join(f"{k} {v / n:.0%}" for k, v in top),
                    f"{r['lock_waits']:.2f}",
                    f"{r['cpu_busy']:.0%}", f"{r['client_cpu']:.0%}"])
-    out += ["\n### PostgreSQL's view of the same window\n", markdown_table(
+    return "\n".join(["### PostgreSQL's view of the same window\n", markdown_table(
         ["procs", "commits/s", "WAL flushes/s", "commits per flush", "WAL MB/s", "rollbacks",
          "deadlocks", "backends active (mean)", "idle in txn (mean)", "idle (mean)",
          "active backends were in (share of samples)", "waiting on a lock (mean)",
-         "machine CPU busy", "simulated workers' CPU share"], pg)]
-    return "\n".join(out)
+         "machine CPU busy", "simulated workers' CPU share"], pg)])
+
+
+def mysql_table(levels: list[dict[str, Any]], name: str) -> str:
+    """The server's view from SHOW GLOBAL STATUS deltas (server-wide, see the docstring)."""
+    rows = []
+    flushes_by = "Innodb_os_log_fsyncs"
+    for r in levels:
+        d, w = r["server"], r["elapsed"]
+        if "log_fsyncs" not in d:  # MariaDB >= 10.8: one log write per group commit
+            flushes_by = "Innodb_log_writes"
+        flushes = d.get("log_fsyncs", d.get("log_writes", 0.0))
+        waits = d.get("row_lock_waits", 0.0)
+        rows.append([r["procs"], f"{d['commits'] / w:.0f}",
+                     f"{d.get('commit_statements', 0.0) / w:.0f}", f"{flushes / w:.0f}",
+                     f"{d['commits'] / max(flushes, 1):.1f}",
+                     f"{d['fsyncs'] / w:.0f}" if "fsyncs" in d else "-",
+                     f"{d['log_bytes'] / w / 1e6:.2f}" if "log_bytes" in d else "-",
+                     int(d["rollbacks"]),
+                     f"{int(waits)} ({d.get('row_lock_ms', 0.0) / max(waits, 1):.0f} ms mean)",
+                     int(d["deadlocks"]) if "deadlocks" in d else "-",
+                     f"{r['running']:.1f}", r["connected_max"],
+                     f"{r['cpu_busy']:.0%}", f"{r['client_cpu']:.0%}"])
+    return "\n".join([f"### {name}'s view of the same window (server-wide counters)\n",
+                      markdown_table(
+        ["procs", "commits/s (Handler_commit)", "COMMIT statements/s (Com_commit)",
+         f"redo log flushes/s ({flushes_by})", "Handler_commits per flush",
+         "InnoDB fsyncs/s (all files)", "redo MB/s", "rollbacks",
+         "row lock waits (Innodb_row_lock_waits)", "deadlocks (Innodb_deadlocks)",
+         "threads running (mean)", "threads connected (max)", "machine CPU busy",
+         "simulated workers' CPU share"], rows)])
 
 
 # -- session-state check --------------------------------------------------------------------
@@ -513,10 +635,69 @@ def session_check(url: str, prefix: str, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def pg_settings(url: str) -> str:
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        settings = {n: conn.execute(f"SHOW {n}").fetchone()[0]  # type: ignore[index]
+                    for n in ("server_version", "max_connections", "synchronous_commit",
+                              "shared_buffers", "commit_delay")}
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
+def mysql_settings(url: str) -> tuple[str, str]:
+    """The server's product name ("MariaDB" or "MySQL") and the settings that bear on commits."""
+    names = ("innodb_flush_log_at_trx_commit", "sync_binlog", "log_bin", "max_connections",
+             "innodb_buffer_pool_size", "tx_isolation", "transaction_isolation")
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            version = str(conn.exec_driver_sql("SELECT VERSION()").scalar_one())
+            quoted = ", ".join(f"'{n}'" for n in names)
+            settings: dict[str, str] = dict(conn.exec_driver_sql(
+                f"SHOW GLOBAL VARIABLES WHERE Variable_name IN ({quoted})").all())
+    finally:
+        engine.dispose()
+    name = "MariaDB" if "mariadb" in version.lower() else "MySQL"
+    return name, f"version={version}, " + ", ".join(
+        f"{n}={settings[n]}" for n in names if n in settings)
+
+
+def measure_store(args: argparse.Namespace, kind: str, name: str,
+                  levels: list[int]) -> list[dict[str, Any]]:
+    """Every level against one store under a prefix of its own (dropped afterwards); prints the
+    store's tables (and, on PostgreSQL, the session-state check first)."""
+    prefix = f"ld{uuid.uuid4().hex[:8]}_"
+    open_view: Callable[[], ServerView]
+    if kind == "postgresql":
+        tag = f"bench_load_{uuid.uuid4().hex[:6]}"
+        base, url = args.pg_url, tagged(args.pg_url, tag)
+        dsn = make_url(args.pg_url).set(drivername="postgresql").render_as_string(False)
+        open_view = functools.partial(PgView, dsn, tag)
+    else:
+        base = url = args.mysql_url
+        open_view = functools.partial(MySQLView, url)
+    store = Store(base, prefix)
+    try:
+        store.migrate()
+        store.dispose()
+        if kind == "postgresql" and not args.no_session_check:
+            print(session_check(url, prefix, args.session_seconds) + "\n", flush=True)
+        results = []
+        for procs in levels:
+            results.append(run_level(args, procs, url, prefix, open_view))
+            print(f"done: {name}, {procs} processes, {results[-1]['units_s']:.0f} units/s",
+                  file=sys.stderr, flush=True)
+        view = pg_table(results) if kind == "postgresql" else mysql_table(results, name)
+        print(tables(results, name) + "\n\n" + view + "\n", flush=True)
+        return results
+    finally:
+        drop_prefixed_tables(base, prefix)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="many workers on one PostgreSQL store: units/s and per-operation "
-                    "p50/p99 from 1 to 64 concurrent processes, with PostgreSQL's view")
+        description="many workers on one store: units/s and per-operation p50/p99 from 1 to "
+                    "64 concurrent processes, with the server's view")
     parser.add_argument("--levels", default="1,4,16,64",
                         help="comma-separated numbers of concurrent simulated pool processes")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per level")
@@ -531,8 +712,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-every", type=float, default=2.0,
                         help="seconds between a worker's sweeps (library default 5)")
     parser.add_argument("--pg-url", default=PG_URL)
+    parser.add_argument("--mysql-url", default=MYSQL_URL)
+    parser.add_argument("--stores", default="postgresql",
+                        help="comma-separated, run in this order: postgresql, mysql")
     parser.add_argument("--no-session-check", action="store_true",
-                        help="skip the session-state / NullPool check")
+                        help="skip the session-state / NullPool check (PostgreSQL)")
     parser.add_argument("--session-seconds", type=float, default=4.0,
                         help="seconds per engine in the session-state check")
     parser.add_argument("--quick", action="store_true",
@@ -541,42 +725,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.levels, args.seconds, args.session_seconds = "1,4,16", 4.0, 2.0
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    tag = f"bench_load_{uuid.uuid4().hex[:6]}"
-    prefix = f"ld{uuid.uuid4().hex[:8]}_"
-    url = tagged(args.pg_url, tag)
-    dsn = make_url(args.pg_url).set(drivername="postgresql").render_as_string(False)
+    stores = [x.strip() for x in args.stores.split(",") if x.strip()]
+    if not stores or set(stores) - set(STORES):
+        parser.error(f"--stores: a comma-separated choice of {', '.join(STORES)}")
     print(f"machine: {machine()}")
     print(f"celery_resilient from {os.path.dirname(celery_resilient.__file__)}; SQLAlchemy "
           f"{sqlalchemy.__version__}; psycopg {psycopg.__version__}")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        settings = {n: conn.execute(f"SHOW {n}").fetchone()[0]  # type: ignore[index]
-                    for n in ("server_version", "max_connections", "synchronous_commit",
-                              "shared_buffers", "commit_delay")}
-    print("PostgreSQL " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    names = {"postgresql": "PostgreSQL"}
+    if "postgresql" in stores:
+        print(f"PostgreSQL {pg_settings(args.pg_url)}")
+    if "mysql" in stores:
+        names["mysql"], settings = mysql_settings(args.mysql_url)
+        print(f"{names['mysql']} {settings}")
     print(f"levels {levels}, {args.seconds:g} s each after {args.warmup} warm-up units per "
           f"process; receipts in batches of {args.prefetch}; {args.procs_per_worker} "
           f"process(es) per worker incarnation; heartbeat every {args.heartbeat_every:g} s, "
           f"sweep every {args.sweep_every:g} s per worker\n", flush=True)
-    store = Store(args.pg_url, prefix)
-    try:
-        store.migrate()
-        store.dispose()
-        if not args.no_session_check:
-            print(session_check(url, prefix, args.session_seconds) + "\n", flush=True)
-        results = []
-        for procs in levels:
-            results.append(run_level(args, procs, url, prefix, dsn, tag))
-            r = results[-1]
-            print(f"done: {procs} processes, {r['units_s']:.0f} units/s", file=sys.stderr,
-                  flush=True)
-        print(tables(results))
-        best = max(results, key=lambda r: r["units_s"])
-        print(f"\npeak: {best['units_s']:.0f} units/s at {best['procs']} processes "
-              f"({best['units_s'] * 5:.0f} hot-path store calls/s)")
-    finally:
-        drop_prefixed_tables(args.pg_url, prefix)
+    results = {kind: measure_store(args, kind, names[kind], levels) for kind in stores}
+    print()
+    for kind, runs in results.items():
+        best = max(runs, key=lambda r: r["units_s"])
+        print(f"peak, {names[kind]}: {best['units_s']:.0f} units/s at {best['procs']} "
+              f"processes ({best['units_s'] * 5:.0f} hot-path store calls/s)")
+    if {"postgresql", "mysql"} <= results.keys():
+        pg = {r["procs"]: r["units_s"] for r in results["postgresql"]}
+        print(f"same run, {names['mysql']} units/s / PostgreSQL units/s: " + ", ".join(
+            f"{r['procs']} processes {r['units_s'] / pg[r['procs']]:.2f}"
+            for r in results["mysql"] if pg.get(r["procs"])))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
