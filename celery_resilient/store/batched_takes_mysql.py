@@ -1,12 +1,21 @@
 """Batched takes on MySQL and MariaDB (see :mod:`.batched_takes` for what a batch takes).
 
 No ``UPDATE ... FROM`` over a JSON set with ``RETURNING``, as on PostgreSQL: a batch is one
-transaction of single-row statements, as on SQLite, but on a server, so each is a round
-trip. Per take: the UPDATE of a takeable row and the read of the row it locked (its epoch
-and checkpoint), or, for a key with no row, one INSERT whose new epoch comes back in the
-reply's insert-id field (``LAST_INSERT_ID(expr)``); a key another delivery inserted first
-is refused by its primary key and left to the careful take. The conditions are those of
-:mod:`.batched_takes`, which the batched-takes tests check on every dialect.
+transaction of single-row statements, as on SQLite, sent as one packet on the autocommitted
+session, which takes several statements at once (``CLIENT_MULTI_STATEMENTS``):
+``START TRANSACTION``, then per take the UPDATE of a takeable row, the read of the row it
+locked (``WHERE ROW_COUNT() = 1``: empty unless the UPDATE matched) and, for a key with no
+row at all, one INSERT whose new epoch comes back in the reply's insert-id field
+(``LAST_INSERT_ID(expr)``), then ``COMMIT``: one round trip for the batch. Marks come first
+and cost one more: the rows they lock must be read with ``SKIP LOCKED`` before the packet
+that writes them. A batch over the server's ``max_allowed_packet`` goes in several packets of
+one transaction; a take alone over it is left to the careful take, which refuses it by name.
+
+Any error (a key another delivery inserted meanwhile, refused by its primary key, included)
+ends the batch: the session, which may hold the open transaction, is dropped
+(``Database._autocommitted``), and every delivery goes to its pool process's careful take.
+The conditions are those of :mod:`.batched_takes`, which the batched-takes tests check on
+every dialect.
 
 Results are not group-committed here (``finishes``): as on SQLite, each pool process
 finishes its own work.
@@ -14,13 +23,14 @@ finishes its own work.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Connection
 
 from celery_resilient.core.states import REQUEUED, RESERVED, RUNNING, UNSTARTED_PID
-from celery_resilient.errors import PayloadTooLarge
 from celery_resilient.store import packet_limit
 from celery_resilient.store.batched_takes import (
     TAKEN_COLUMNS,
@@ -29,7 +39,7 @@ from celery_resilient.store.batched_takes import (
     TakeRequest,
     take_params,
 )
-from celery_resilient.store.dialect import ER_DUP_ENTRY, Dialect
+from celery_resilient.store.dialect import Dialect
 
 
 class MySQLBatchedTakes:
@@ -84,65 +94,120 @@ class MySQLBatchedTakes:
             f"(SELECT f.epoch FROM {fg} f WHERE f.work_key = %(key)s), 0) + 1), "
             f"%(node)s, %(inc)s, {UNSTARTED_PID}, {now} + %(lease)s, 1, 0, 0, %(retries)s, "
             f"%(message)s, {now}, {now}, 0, 0 FROM DUAL "
-            f"WHERE NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = %(task_id)s)")
+            f"WHERE NOT EXISTS (SELECT 1 FROM {work} w WHERE w.work_key = %(key)s) "
+            f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = %(task_id)s)")
+        # The same three per take, each value's name suffixed with the take's index.
+        self.trio = "; ".join((self.update, f"{self.taken} AND ROW_COUNT() = 1", self.insert))
+        self.update_head = self.update[:self.update.index("%")]
 
     def run(self, conn: Connection, takes: Sequence[TakeRequest], started: Sequence[Started],
             node: str, inc: str, lease: float, max_attempts: int,
             finishes: Sequence[Finish] = (), deferred: list[Started] | None = None,
             ) -> tuple[list[dict[str, Any]], set[str]]:
-        """As :meth:`.batched_takes.BatchedTakes.run`; ``conn`` is inside a transaction the
-        caller commits. ``finishes`` are refused (PostgreSQL only). A mark whose row another
-        transaction holds is not written but appended to ``deferred``."""
+        """As :meth:`.batched_takes.BatchedTakes.run`; ``conn`` is an autocommitted session
+        (``Database.single``), which this call leaves with no transaction open, or raising.
+        ``finishes`` are refused (PostgreSQL only). A mark whose row another transaction
+        holds is not written but appended to ``deferred``."""
         if finishes:
             raise ValueError("finishes are committed by the main process on PostgreSQL only")
         raw = conn.connection.dbapi_connection
         assert raw is not None
         cursor = raw.cursor()
-        errors = conn.dialect.loaded_dbapi
         try:
-            for s in self._lock_marked(cursor, started, deferred):
-                cursor.execute(self.started if s.pid is not None else self.lost,
-                               {"key": s.work_key, "epoch": s.epoch, "pid": s.pid, "inc": inc})
-            rows: list[dict[str, Any]] = []
+            statements: list[tuple[str, dict[str, Any]]] = [("START TRANSACTION", {})]
+            # (each entry one statement, but a take's trio: three)
+            if started:  # the transaction begun by the read that locks the marks' rows
+                statements = [
+                    (_suffixed_sql(self.started if s.pid is not None else self.lost, f"m{i}"),
+                     _suffixed({"key": s.work_key, "epoch": s.epoch, "pid": s.pid,
+                                "inc": inc}, f"m{i}"))
+                    for i, s in enumerate(self._lock_marked(cursor, started, deferred))]
+            first = len(statements)  # replies before the takes' trios
+            limit = conn.info.get(packet_limit.INFO_KEY)
+            sent: list[TakeRequest] = []
             for t in takes:
-                params = take_params(t, node, inc, lease, max_attempts)
-                if cursor.execute(self.update, params) == 1:
-                    cursor.execute(self.taken, params)
-                    row = cursor.fetchone()
+                params = _suffixed(take_params(t, node, inc, lease, max_attempts), len(sent))
+                trio = _suffixed_sql(self.trio, len(sent))
+                if limit is not None and packet_limit.over(trio, params, int(limit)):
+                    continue  # its pool process's careful take refuses it, by name
+                statements.append((trio, params))
+                sent.append(t)
+            statements.append(("COMMIT", {}))
+            replies = self._send(cursor, statements, None if limit is None else int(limit))
+            rows: list[dict[str, Any]] = []
+            for i, t in enumerate(sent):
+                # each take's trio is three statements: three replies
+                (matched, _, _), (_, row, _), (inserted, _, epoch) = (
+                    replies[first + 3 * i: first + 3 * i + 3])
+                if matched == 1:
                     assert row is not None  # locked by this transaction's UPDATE
                     rows.append(dict(zip(TAKEN_COLUMNS, row, strict=True)))
-                    continue
-                try:
-                    # the driver's cursor: no listener checks the message's size
-                    packet_limit.enforce(conn, self.insert, params)
-                except PayloadTooLarge:
-                    continue  # its pool process's careful take refuses it, by name
-                try:
-                    inserted = cursor.execute(self.insert, params)
-                except errors.IntegrityError as exc:
-                    if exc.args[0] == ER_DUP_ENTRY:
-                        continue  # a row the careful take must judge
-                    raise
-                if inserted == 1:
+                elif inserted == 1:
                     rows.append(dict(zip(TAKEN_COLUMNS, (
-                        t.work_key, int(cursor.lastrowid), 1, 0, None, 0, None, 0, None, None),
-                        strict=True)))
+                        t.work_key, epoch, 1, 0, None, 0, None, 0, None, None), strict=True)))
             return rows, set()
         finally:
             cursor.close()
 
+    def _send(self, cursor: Any, statements: list[tuple[str, dict[str, Any]]],
+              limit: int | None) -> list[tuple[int, Any, int]]:
+        """Send ``statements`` in as few packets as ``limit`` allows (one, unless the batch
+        is over it); each statement's reply: its row count, its first row, its insert id."""
+        replies: list[tuple[int, Any, int]] = []
+        packet: list[str] = []
+        values: dict[str, Any] = {}
+        size = 0
+
+        def flush() -> None:
+            cursor.execute("; ".join(packet), values)
+            count = sum(3 if sql.startswith(self.update_head) else 1 for sql in packet)
+            for n in range(count):
+                if n:
+                    cursor.nextset()
+                row = cursor.fetchone() if cursor.description else None
+                replies.append((cursor.rowcount, row, int(cursor.lastrowid or 0)))
+            while cursor.nextset():  # (no more: each statement's reply was read)
+                pass
+            packet.clear()
+            values.clear()
+
+        for sql, params in statements:
+            one = 0 if limit is None else packet_limit.size_near(sql, params, limit)
+            if packet and limit is not None and size + one + 2 > limit:
+                flush()
+                size = 0
+            packet.append(sql)
+            values.update(params)
+            size += one + 2
+        flush()
+        return replies
+
     def _lock_marked(self, cursor: Any, started: Sequence[Started],
                      deferred: list[Started] | None) -> list[Started]:
-        """The marks whose rows this transaction could lock at once (now locked); those of
-        rows another transaction holds go to ``deferred``, those of rows gone are dropped."""
-        if not started:
-            return []
+        """Begin the batch's transaction and lock the marks' rows no other transaction holds
+        (one round trip); the marks of rows another transaction holds go to ``deferred``,
+        those of rows gone are dropped."""
         keys = tuple({s.work_key for s in started})
-        cursor.execute(self.lock_marked, {"keys": keys})
+        cursor.execute(f"START TRANSACTION; {self.lock_marked}; {self.existing}",
+                       {"keys": keys})
+        cursor.nextset()
         locked = {row[0] for row in cursor.fetchall()}
-        if len(locked) < len(keys):
-            cursor.execute(self.existing, {"keys": keys})
-            held = {row[0] for row in cursor.fetchall()} - locked
-            if deferred is not None:
-                deferred.extend(s for s in started if s.work_key in held)
+        cursor.nextset()
+        held = {row[0] for row in cursor.fetchall()} - locked
+        while cursor.nextset():
+            pass
+        if deferred is not None:
+            deferred.extend(s for s in started if s.work_key in held)
         return [s for s in started if s.work_key in locked]
+
+def _suffixed(params: dict[str, Any], i: int | str) -> dict[str, Any]:
+    return {f"{name}_{i}": value for name, value in params.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _suffixed_sql(sql: str, i: int | str) -> str:
+    """``sql`` with each ``%(name)s`` renamed ``%(name_i)s`` (:func:`_suffixed`'s names)."""
+    return _PLACEHOLDER.sub(lambda m: f"%({m.group(1)}_{i})s", sql)
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")

@@ -250,9 +250,9 @@ class Claims(Incarnations):
         """
         if not takes and not started and not finishes:
             return {}, set()
-        # SQLite and MySQL: a transaction of statements; PostgreSQL: one statement.
-        one_statement = not (self.dialect.is_sqlite or self.dialect.is_mysql)
-        with self.single() if one_statement else self.begin() as conn:
+        # PostgreSQL: one statement; MySQL: one packet of statements on an autocommitted
+        # session, its transaction's begin and commit included; SQLite: a transaction.
+        with self.begin() if self.dialect.is_sqlite else self.single() as conn:
             rows, finished = self._batched.run(conn, takes, started, owner.node,
                                                owner.incarnation, lease_seconds, max_attempts,
                                                finishes, deferred)

@@ -70,13 +70,9 @@ def check(statement: str, parameters: Any, executemany: bool, limit: int) -> Non
     (an executemany's rows are sent one per statement at the most)."""
     rows: Iterable[Any] = parameters if executemany else (parameters,)
     for row in rows:
-        values = _values(statement, row)
-        if 4 * len(statement) + sum(n * _bound(v) for v, n in values) < limit:
-            continue
-        # +1: the command byte
-        size = 1 + len(statement.encode()) + sum(n * _sent_size(v) for v, n in values)
+        size = size_near(statement, row, limit)
         if size > limit:
-            largest = max((_sent_size(v) for v, _ in values), default=0)
+            largest = max((_sent_size(v) for v, _ in _values(statement, row)), default=0)
             raise PayloadTooLarge(
                 f"store operation {transient.current_operation('a statement')!r} not run: its "
                 f"statement would be {size:,} bytes (its largest value {largest:,}), over the "
@@ -84,6 +80,22 @@ def check(statement: str, parameters: Any, executemany: bool, limit: int) -> Non
                 "and ledger results, checkpoints, contexts and task arguments smaller (store "
                 "large data elsewhere and pass a reference), or raise max_allowed_packet on "
                 "the server; nothing was written")
+
+
+def over(statement: str, parameters: Any, limit: int) -> bool:
+    """Whether ``statement`` with its values is over ``limit`` bytes as sent."""
+    return size_near(statement, parameters, limit) > limit
+
+
+def size_near(statement: str, parameters: Any, limit: int) -> int:
+    """The bytes ``statement`` takes as sent: a cheap bound, or the exact size once the
+    bound reaches ``limit`` (a sum of these may overrate a packet, never underrate it)."""
+    values = _values(statement, parameters)
+    bound = 4 * len(statement) + sum(n * _bound(v) for v, n in values)
+    if bound < limit:
+        return bound
+    # +1: the command byte
+    return 1 + len(statement.encode()) + sum(n * _sent_size(v) for v, n in values)
 
 
 def refused(exc: BaseException) -> PayloadTooLarge | None:
@@ -133,4 +145,5 @@ def _sent_size(value: Any) -> int:
     return _bound(value)
 
 
-__all__ = ["INFO_KEY", "check", "enforce", "install", "listener", "refused"]
+__all__ = ["INFO_KEY", "check", "enforce", "install", "listener", "over", "refused",
+           "size_near"]

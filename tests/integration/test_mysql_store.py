@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import MySQLdb.connections  # type: ignore[import-untyped]
 import pymysql.connections
@@ -19,8 +20,9 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from celery_resilient.store import transient
-from celery_resilient.store.batched_takes import TakeRequest
+from celery_resilient.core.states import UNSTARTED_PID
+from celery_resilient.store import packet_limit, transient
+from celery_resilient.store.batched_takes import Started, TakeRequest
 from celery_resilient.store.sql import SESSION_ALIVE, UNJUDGED, Store
 from celery_resilient.testing.services import ThrowawayMariaDB, drop_prefixed_tables
 from celery_resilient.testing.waiting import wait_for
@@ -165,6 +167,71 @@ def test_the_per_task_statements_are_one_round_trip_each(
     row = mysql_store.get_work("k")
     assert row is not None and (row.state, row.epoch, row.result_json) == ("done", 1, '"ok"')
     assert mysql_store.load_checkpoint("k") == ('{"row": 1}', 1)
+
+
+def _taken(store: Store, me: object, keys: list[str], started: list[Started] | None = None,
+           ) -> dict[str, Any]:
+    takes = [TakeRequest(k, "proj.task", f"tid-{k}", 0, None, None, f'{{"m": "{k}"}}')
+             for k in keys]
+    claims, _ = store.take_batch(takes, started or [], me, 30.0, 5)  # type: ignore[arg-type]
+    return claims
+
+
+def test_a_batch_of_takes_is_one_round_trip_and_one_more_with_marks(
+        mysql_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight takes (new keys, reserved claims with a checkpoint, one the careful take must
+    decide) in one packet with its transaction's begin and commit; with marks, the read
+    that locks the marks' rows first. Counted at the driver, whichever the URL names."""
+    me = started(mysql_store, owner())
+    for key in ("r0", "r1", "r2"):
+        mysql_store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", me, 30)
+    done = run(mysql_store, "done", me, task_id="tid-done")
+    mysql_store.finish("done", done.epoch, None)
+    _taken(mysql_store, me, ["warm"])  # the autocommit pool connects
+    sent: list[str] = []
+    _count_commands(monkeypatch, mysql_store, sent)
+    claims = _taken(mysql_store, me, ["n0", "n1", "n2", "n3", "r0", "r1", "r2", "done"])
+    assert len(sent) == 1 and sent[0].startswith("START TRANSACTION;"), sent
+    assert sent[0].endswith("COMMIT"), sent[0][-200:]
+    assert sorted(claims) == ["n0", "n1", "n2", "n3", "r0", "r1", "r2"]
+    sent.clear()
+    marks = [Started(k, claims[k].epoch, 4242) for k in ("n0", "r1")]
+    _taken(mysql_store, me, ["n4", "n5"], marks)
+    assert len(sent) == 2, sent
+    monkeypatch.undo()
+    for key, claim in claims.items():
+        row = mysql_store.get_work(key)
+        assert row is not None and (row.state, row.epoch) == ("running", claim.epoch), row
+        assert row.owner_pid == (4242 if key in ("n0", "r1") else UNSTARTED_PID), row
+    assert mysql_store.get_work("done").state == "done"  # type: ignore[union-attr]
+    assert {mysql_store.get_work(k).state for k in ("n4", "n5")} == {"running"}  # type: ignore[union-attr]
+
+
+def test_a_batch_over_the_packet_limit_goes_in_several_packets_of_one_transaction(
+        mysql_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each take fits, the batch does not: it is split between statements, every take is
+    still made, and the split packets are one transaction (the COMMIT only in the last)."""
+    me = started(mysql_store, owner())
+    _taken(mysql_store, me, ["warm"])
+    with mysql_store.single() as conn:  # the pooled session the batch will use
+        real = conn.info[packet_limit.INFO_KEY]
+        conn.info[packet_limit.INFO_KEY] = 12_000  # as if the server allowed this much
+    try:
+        sent: list[str] = []
+        _count_commands(monkeypatch, mysql_store, sent)
+        keys = [f"k{i}" for i in range(8)]
+        claims = _taken(mysql_store, me, keys)
+        monkeypatch.undo()
+    finally:
+        with mysql_store.single() as conn:
+            conn.info[packet_limit.INFO_KEY] = real
+    assert sorted(claims) == keys
+    assert len(sent) >= 3, [len(p) for p in sent]
+    assert all(len(p.encode()) <= 12_000 for p in sent), [len(p) for p in sent]
+    assert [p.count("COMMIT") for p in sent] == [0] * (len(sent) - 1) + [1]
+    for key in keys:
+        row = mysql_store.get_work(key)
+        assert row is not None and (row.state, row.epoch) == ("running", claims[key].epoch)
 
 
 def _interrupt(*_: object) -> None:
