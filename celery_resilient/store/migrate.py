@@ -115,25 +115,33 @@ def _unserialize(conn: Connection, prefix: str) -> None:
 
 def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
     _quiet_alembic()
-    with engine.connect() as conn, for_writing(conn).begin():
-        _serialize(conn, prefix)
-        _current_prefix.append(prefix)
+    with engine.connect() as conn:
         try:
-            command.upgrade(_config(prefix, conn), revision)
+            with for_writing(conn).begin():
+                _serialize(conn, prefix)
+                _current_prefix.append(prefix)
+                try:
+                    command.upgrade(_config(prefix, conn), revision)
+                finally:
+                    _current_prefix.pop()
         finally:
-            _current_prefix.pop()
+            # once committed: the next in line must read the revision this one recorded
             _unserialize(conn, prefix)
 
 
 def downgrade(engine: Engine, prefix: str, revision: str) -> None:
     _quiet_alembic()
-    with engine.connect() as conn, for_writing(conn).begin():
-        _serialize(conn, prefix)
-        _current_prefix.append(prefix)
+    with engine.connect() as conn:
         try:
-            command.downgrade(_config(prefix, conn), revision)
+            with for_writing(conn).begin():
+                _serialize(conn, prefix)
+                _current_prefix.append(prefix)
+                try:
+                    command.downgrade(_config(prefix, conn), revision)
+                finally:
+                    _current_prefix.pop()
         finally:
-            _current_prefix.pop()
+            # once committed: the next in line must read the revision this one recorded
             _unserialize(conn, prefix)
 
 

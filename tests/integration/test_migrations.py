@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -9,17 +10,18 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from celery import Celery
-from sqlalchemy import inspect, select, text
+from sqlalchemy import create_engine, inspect, select, text
 
 from celery_resilient import Resilient
 from celery_resilient.errors import SchemaError
 from celery_resilient.store import migrate
 from celery_resilient.store.operator_queries import OperatorQueries, Selection
 from celery_resilient.store.retention import delete_finished_work
-from celery_resilient.store.schema import build_tables
-from celery_resilient.store.sql import Store
+from celery_resilient.store.schema import WORK_FILLFACTOR, build_tables
+from celery_resilient.store.sql import Receipt, Store
+from celery_resilient.testing import wait_for
 
-from .helpers import expire, owner, run
+from .helpers import expire, owner, run, started
 
 TABLES = ("work", "checkpoints", "steps", "ledger", "schedule_runs", "schedule_markers",
           "contexts", "workers", "revocations", "forgotten")
@@ -423,3 +425,52 @@ def test_a_store_at_0005_whose_old_worker_saved_again_resumes_that_save(
         conn.execute(text(f"UPDATE {p}work SET state = 'requeued'"))  # SIGKILLed; lapsed
     run(bare_store, "k", owner())
     assert bare_store.load_checkpoint("k") == ('{"i": 5}', 1)
+
+
+def test_checkpoint_saves_rewrite_no_index_on_postgresql(pg_url: str, table_prefix: str) -> None:
+    """A save touches no indexed column; with room left on each page of the work table
+    (its fillfactor), PostgreSQL keeps the new row version on its page and writes none of
+    the table's five indexes (a HOT update). Units as a worker runs them, eight at a time:
+    receipts, takes, five saves each, finishes. Counted by the server (takes and finishes
+    change indexed columns: never HOT)."""
+    store = Store(pg_url, table_prefix)
+    store.migrate()
+    engine = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+
+    def updates() -> tuple[int, int]:
+        with engine.connect() as conn:
+            row = conn.exec_driver_sql(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                f"WHERE relname = '{table_prefix}work'").one()
+        return int(row[0]), int(row[1])
+
+    try:
+        with engine.connect() as conn:
+            options = conn.exec_driver_sql(
+                f"SELECT reloptions FROM pg_class WHERE relname = '{table_prefix}work'"
+            ).scalar_one()
+        assert options == [f"fillfactor={WORK_FILLFACTOR}"]
+        me = started(store, owner())
+        message = json.dumps({"body": "b" * 1200, "headers": {"id": "i" * 36}})
+        units = 240
+        before = updates()
+        for first in range(0, units, 8):
+            keys = [f"k{i}" for i in range(first, first + 8)]
+            store.record_receipts([Receipt(k, "proj.task", f"tid-{k}", None, message)
+                                   for k in keys], me, 30)
+            claims = {k: run(store, k, me, task_id=f"tid-{k}") for k in keys}
+            for n in range(5):
+                for k in keys:
+                    state = json.dumps({"row": n, "pad": "p" * 200})
+                    assert store.save_checkpoint(k, claims[k].epoch, state) == n + 1
+            for k in keys:
+                store.finish(k, claims[k].epoch, '"ok"')
+        # the server counts each backend's updates when it reports them (within a second)
+        wait_for(lambda: updates()[0] - before[0] >= 7 * units, 15,
+                 "the server to count every update")
+        total, hot = (after - was for after, was in zip(updates(), before, strict=True))
+        assert total == 7 * units
+        assert hot >= 0.9 * 5 * units, f"{hot} HOT updates of {5 * units} saves"
+    finally:
+        store.dispose()
+        engine.dispose()
