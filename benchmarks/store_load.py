@@ -252,18 +252,42 @@ def child(idx: int, args: argparse.Namespace, url: str, prefix: str, incarnation
         results.put({"idx": idx, "error": traceback.format_exc()})
 
 
-class PgView:
+class _Sampler:
+    """A thread that takes one sample every ``interval`` seconds from start to stop."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self.samples += 1
+            self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class PgView(_Sampler):
     """PostgreSQL's counters and sampled pg_stat_activity over one measurement window."""
 
     def __init__(self, dsn: str, tag: str, interval: float = 0.1) -> None:
+        super().__init__(interval)
         self.conn = psycopg.connect(dsn, autocommit=True)
-        self.tag, self.interval = tag, interval
-        self.samples = 0
+        self.tag = tag
         self.states: Counter[str] = Counter()
         self.waits: Counter[str] = Counter()
         self.lock_waits = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def counters(self) -> dict[str, float]:
         row = self.conn.execute(
@@ -276,26 +300,16 @@ class PgView:
                  "wal_records", "wal_bytes", "wal_writes", "wal_syncs")
         return dict(zip(names, (float(v) for v in (*row, *wal)), strict=True))
 
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            rows = self.conn.execute(
-                "SELECT state, wait_event_type, wait_event FROM pg_stat_activity "
-                "WHERE application_name = %s", (self.tag,)).fetchall()
-            self.samples += 1
-            for state, wtype, wevent in rows:
-                self.states[state or "?"] += 1
-                if state == "active":
-                    self.waits[f"{wtype}:{wevent}" if wtype else "CPU (no wait)"] += 1
-                    if wtype == "Lock":
-                        self.lock_waits += 1
-            self._stop.wait(self.interval)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        rows = self.conn.execute(
+            "SELECT state, wait_event_type, wait_event FROM pg_stat_activity "
+            "WHERE application_name = %s", (self.tag,)).fetchall()
+        for state, wtype, wevent in rows:
+            self.states[state or "?"] += 1
+            if state == "active":
+                self.waits[f"{wtype}:{wevent}" if wtype else "CPU (no wait)"] += 1
+                if wtype == "Lock":
+                    self.lock_waits += 1
 
     def close(self) -> None:
         self.conn.close()
@@ -306,7 +320,7 @@ class PgView:
                 "samples": self.samples}
 
 
-class MySQLView:
+class MySQLView(_Sampler):
     """MySQL/MariaDB's global status counters over one window, ``Threads_running`` sampled.
 
     Server-wide, unlike ``pg_stat_database``: other clients of the server count too."""
@@ -319,36 +333,23 @@ class MySQLView:
                 "deadlocks": "Innodb_deadlocks"}
 
     def __init__(self, url: str, interval: float = 0.1) -> None:
+        super().__init__(interval)
         self.engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
         self.conn = self.engine.connect()
-        self.interval = interval
-        self.samples = 0
         self.running = 0.0
         self.connected_max = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def counters(self) -> dict[str, float]:
         status: dict[str, str] = dict(self.conn.exec_driver_sql("SHOW GLOBAL STATUS").all())
         # A counter this server lacks (Innodb_os_log_fsyncs on MariaDB >= 10.8) stays absent.
         return {k: float(status[v]) for k, v in self.COUNTERS.items() if v in status}
 
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            status: dict[str, str] = dict(self.conn.exec_driver_sql(
-                "SHOW GLOBAL STATUS WHERE Variable_name IN "
-                "('Threads_running', 'Threads_connected')").all())
-            self.samples += 1
-            self.running += int(status["Threads_running"]) - 1  # less this query's own
-            self.connected_max = max(self.connected_max, int(status["Threads_connected"]))
-            self._stop.wait(self.interval)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        status: dict[str, str] = dict(self.conn.exec_driver_sql(
+            "SHOW GLOBAL STATUS WHERE Variable_name IN "
+            "('Threads_running', 'Threads_connected')").all())
+        self.running += int(status["Threads_running"]) - 1  # less this query's own
+        self.connected_max = max(self.connected_max, int(status["Threads_connected"]))
 
     def close(self) -> None:
         self.conn.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,22 +115,16 @@ def _unserialize(conn: Connection, prefix: str) -> None:
 
 
 def upgrade(engine: Engine, prefix: str, revision: str = "head") -> None:
-    _quiet_alembic()
-    with engine.connect() as conn:
-        try:
-            with for_writing(conn).begin():
-                _serialize(conn, prefix)
-                _current_prefix.append(prefix)
-                try:
-                    command.upgrade(_config(prefix, conn), revision)
-                finally:
-                    _current_prefix.pop()
-        finally:
-            # once committed: the next in line must read the revision this one recorded
-            _unserialize(conn, prefix)
+    _run(command.upgrade, engine, prefix, revision)
 
 
 def downgrade(engine: Engine, prefix: str, revision: str) -> None:
+    _run(command.downgrade, engine, prefix, revision)
+
+
+def _run(alembic_command: Callable[[Config, str], None], engine: Engine, prefix: str,
+         revision: str) -> None:
+    """Run an Alembic command on ``prefix``'s tables, one migration of a prefix at a time."""
     _quiet_alembic()
     with engine.connect() as conn:
         try:
@@ -137,7 +132,7 @@ def downgrade(engine: Engine, prefix: str, revision: str) -> None:
                 _serialize(conn, prefix)
                 _current_prefix.append(prefix)
                 try:
-                    command.downgrade(_config(prefix, conn), revision)
+                    alembic_command(_config(prefix, conn), revision)
                 finally:
                     _current_prefix.pop()
         finally:
