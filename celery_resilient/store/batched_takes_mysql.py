@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
 
 from celery_resilient.core.states import REQUEUED, RESERVED, RUNNING, UNSTARTED_PID
 from celery_resilient.store import packet_limit
@@ -40,6 +41,7 @@ from celery_resilient.store.batched_takes import (
     take_params,
 )
 from celery_resilient.store.dialect import Dialect
+from celery_resilient.store.hot_mysql import abandon
 
 
 class MySQLBatchedTakes:
@@ -114,40 +116,54 @@ class MySQLBatchedTakes:
         assert raw is not None
         cursor = raw.cursor()
         try:
-            statements: list[tuple[str, dict[str, Any]]] = [("START TRANSACTION", {})]
-            # (each entry one statement, but a take's trio: three)
-            if started:  # the transaction begun by the read that locks the marks' rows
-                statements = [
-                    (_suffixed_sql(self.started if s.pid is not None else self.lost, f"m{i}"),
-                     _suffixed({"key": s.work_key, "epoch": s.epoch, "pid": s.pid,
-                                "inc": inc}, f"m{i}"))
-                    for i, s in enumerate(self._lock_marked(cursor, started, deferred))]
-            first = len(statements)  # replies before the takes' trios
-            limit = conn.info.get(packet_limit.INFO_KEY)
-            sent: list[TakeRequest] = []
-            for t in takes:
-                params = _suffixed(take_params(t, node, inc, lease, max_attempts), len(sent))
-                trio = _suffixed_sql(self.trio, len(sent))
-                if limit is not None and packet_limit.over(trio, params, int(limit)):
-                    continue  # its pool process's careful take refuses it, by name
-                statements.append((trio, params))
-                sent.append(t)
-            statements.append(("COMMIT", {}))
-            replies = self._send(cursor, statements, None if limit is None else int(limit))
-            rows: list[dict[str, Any]] = []
-            for i, t in enumerate(sent):
-                # each take's trio is three statements: three replies
-                (matched, _, _), (_, row, _), (inserted, _, epoch) = (
-                    replies[first + 3 * i: first + 3 * i + 3])
-                if matched == 1:
-                    assert row is not None  # locked by this transaction's UPDATE
-                    rows.append(dict(zip(TAKEN_COLUMNS, row, strict=True)))
-                elif inserted == 1:
-                    rows.append(dict(zip(TAKEN_COLUMNS, (
-                        t.work_key, epoch, 1, 0, None, 0, None, 0, None, None), strict=True)))
-            return rows, set()
-        finally:
-            cursor.close()
+            rows = self._run(conn, cursor, takes, started, inc, node, lease, max_attempts,
+                             deferred)
+        except conn.dialect.loaded_dbapi.Error as exc:  # the session may hold the batch's
+            abandon(conn, cursor, exc)                  # open transaction: never lent again
+            raise DBAPIError.instance("batched takes", {}, exc, conn.dialect.loaded_dbapi.Error,
+                                      connection_invalidated=True,
+                                      dialect=conn.dialect) from exc
+        except BaseException as exc:
+            abandon(conn, cursor, exc if isinstance(exc, Exception) else None)
+            raise
+        cursor.close()
+        return rows, set()
+
+    def _run(self, conn: Connection, cursor: Any, takes: Sequence[TakeRequest],
+             started: Sequence[Started], inc: str, node: str, lease: float,
+             max_attempts: int, deferred: list[Started] | None) -> list[dict[str, Any]]:
+        statements: list[tuple[str, dict[str, Any]]] = [("START TRANSACTION", {})]
+        # (each entry one statement, but a take's trio: three)
+        if started:  # the transaction begun by the read that locks the marks' rows
+            statements = [
+                (_suffixed_sql(self.started if s.pid is not None else self.lost, f"m{i}"),
+                 _suffixed({"key": s.work_key, "epoch": s.epoch, "pid": s.pid,
+                            "inc": inc}, f"m{i}"))
+                for i, s in enumerate(self._lock_marked(cursor, started, deferred))]
+        first = len(statements)  # replies before the takes' trios
+        limit = conn.info.get(packet_limit.INFO_KEY)
+        sent: list[TakeRequest] = []
+        for t in takes:
+            params = _suffixed(take_params(t, node, inc, lease, max_attempts), len(sent))
+            trio = _suffixed_sql(self.trio, len(sent))
+            if limit is not None and packet_limit.over(trio, params, int(limit)):
+                continue  # its pool process's careful take refuses it, by name
+            statements.append((trio, params))
+            sent.append(t)
+        statements.append(("COMMIT", {}))
+        replies = self._send(cursor, statements, None if limit is None else int(limit))
+        rows: list[dict[str, Any]] = []
+        for i, t in enumerate(sent):
+            # each take's trio is three statements: three replies
+            (matched, _, _), (_, row, _), (inserted, _, epoch) = (
+                replies[first + 3 * i: first + 3 * i + 3])
+            if matched == 1:
+                assert row is not None  # locked by this transaction's UPDATE
+                rows.append(dict(zip(TAKEN_COLUMNS, row, strict=True)))
+            elif inserted == 1:
+                rows.append(dict(zip(TAKEN_COLUMNS, (
+                    t.work_key, epoch, 1, 0, None, 0, None, 0, None, None), strict=True)))
+        return rows
 
     def _send(self, cursor: Any, statements: list[tuple[str, dict[str, Any]]],
               limit: int | None) -> list[tuple[int, Any, int]]:

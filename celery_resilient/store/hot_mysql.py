@@ -19,6 +19,7 @@ close, receipt) runs as written.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -96,15 +97,14 @@ class MySQLHotStatements(HotStatements):
         except conn.dialect.loaded_dbapi.Error as exc:
             # Whatever failed, the session may hold the transaction the packet began, or
             # be mid-reply: it is never lent again (its end rolls back what did not commit).
-            conn.invalidate(exc)
+            abandon(conn, cursor, exc)
             raise DBAPIError.instance(sql, bound, exc, conn.dialect.loaded_dbapi.Error,
                                       connection_invalidated=True,
                                       dialect=conn.dialect) from exc
         except BaseException:  # an interrupt mid-reply (a soft time limit): the same
-            conn.invalidate()
+            abandon(conn, cursor)
             raise
-        finally:
-            cursor.close()
+        cursor.close()
         if matched != 1:
             return HotResult(matched, None)
         assert row is not None  # the row this packet's UPDATE locked
@@ -125,6 +125,16 @@ class MySQLHotStatements(HotStatements):
             packet = self._packets["take_fast"] = (
                 f"START TRANSACTION; {update_sql}; {row_sql}; COMMIT", update_params)
         return packet
+
+
+def abandon(conn: Connection, cursor: Any, exc: BaseException | None = None) -> None:
+    """Drop ``conn`` after ``exc`` left its driver cursor mid-reply or its session in a
+    transaction, then the cursor. In that order, and quietly: mysqlclient's ``close`` of a
+    cursor reads what is left of the reply, which on a failed session fails in turn (error
+    2006) and would replace the error the caller must see, or wait on a silent server."""
+    conn.invalidate(exc)
+    with contextlib.suppress(Exception):
+        cursor.close()
 
 
 def _autocommits(conn: Connection) -> bool:

@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from celery_resilient.core.states import UNSTARTED_PID
+from celery_resilient.errors import StoreUnavailable
 from celery_resilient.store import packet_limit, transient
 from celery_resilient.store.batched_takes import Started, TakeRequest
 from celery_resilient.store.sql import SESSION_ALIVE, UNJUDGED, Store
@@ -352,3 +353,38 @@ def test_a_url_naming_a_narrower_charset_still_stores_any_character(
     finally:
         s.dispose()
         drop_prefixed_tables(mysql_url, table_prefix)
+
+
+@pytest.mark.parametrize("driver", ["pymysql", "mysqldb"])
+def test_writes_a_read_only_server_refuses_are_a_store_outage_on_either_driver(
+        driver: str, table_prefix: str) -> None:
+    """A replica after a failover refuses every write (error 1290). Each take path (the
+    one-packet take, the careful take, a batch of takes) and a checkpoint save must report
+    that as the store being unavailable, which re-sends the task, never as the task's own
+    error, which fails it and loses the work. On mysqlclient the take's cleanup once read
+    the failed session's leftover reply and raised that instead (error 2006)."""
+    server = ThrowawayMariaDB().init()
+    server.start()
+    store = Store(make_url(server.app_url).set(drivername=f"mysql+{driver}")
+                  .render_as_string(hide_password=False), table_prefix)
+    try:
+        store.migrate()
+        me = started(store, owner())
+        saving = run(store, "saving", me, task_id="tid-saving")
+        for key in ("fast", "batched"):
+            store.record_receipt(key, "proj.task", f"tid-{key}", None, "{}", me, 30)
+        server.read_only(True)
+        for attempt in (lambda: run(store, "fast", me, task_id="tid-fast"),
+                        lambda: run(store, "new", me, task_id="tid-new"),
+                        lambda: store.save_checkpoint("saving", saving.epoch, '{"n": 1}')):
+            with pytest.raises(StoreUnavailable, match="1290"):
+                attempt()
+        with pytest.raises(DBAPIError, match="1290"):  # the dispatcher's: logged, not retried
+            _taken(store, me, ["batched"])
+        server.read_only(False)
+        assert run(store, "fast", me, task_id="tid-fast").epoch == 1
+        assert sorted(_taken(store, me, ["batched", "new"])) == ["batched", "new"]
+        assert store.save_checkpoint("saving", saving.epoch, '{"n": 1}') == 1
+    finally:
+        store.dispose()
+        server.destroy()
