@@ -127,7 +127,8 @@ if [ -z "$interrupted" ]; then
   RESILIENT_TEST_MYSQL_URL="mysql+mysqldb://${RESILIENT_TEST_MYSQL_URL#*://}" \
     limited 8m "${PYTEST[@]}" -n "$RUNNERS" --basetemp="$TMP/mysqldb" -m "not alone" \
     -k "mariadb or mysql" tests/unit tests/integration tests/e2e/test_kill_mid_task.py \
-    tests/e2e/test_poison.py tests/e2e/test_partitions.py tests/e2e/test_held_rows.py
+    tests/e2e/test_poison.py tests/e2e/test_partitions.py tests/e2e/test_held_rows.py \
+    tests/e2e/test_store_outage.py
   running+=($!)
   finish $! "pytest (mysqlclient)" 8m || mysqldb_status=$?
 fi

@@ -161,7 +161,8 @@ class ThrowawayMariaDB:
     name = "MariaDB"
     stopped_how = "SIGKILLed"
 
-    def __init__(self, max_connections: int = 151, also_listen: Sequence[str] = ()) -> None:
+    def __init__(self, max_connections: int = 151, also_listen: Sequence[str] = (),
+                 driver: str = "pymysql") -> None:
         #: Addresses besides 127.0.0.1 it listens on (MariaDB 10.11 takes a list), and
         #: accepts ``root`` from, without a password (``'root'@'%'``: tests only).
         self.also_listen = list(also_listen)
@@ -174,7 +175,8 @@ class ThrowawayMariaDB:
         self.data = self.dir / "data"
         self.port = free_port()
         self.user = "root" if os.geteuid() == 0 else getpass.getuser()
-        self.url = f"mysql+pymysql://root@127.0.0.1:{self.port}/test"
+        #: Through ``driver``: ``pymysql`` or ``mysqldb`` (mysqlclient).
+        self.url = f"mysql+{driver}://root@127.0.0.1:{self.port}/test"
         self.process: subprocess.Popen[bytes] | None = None
 
     def init(self) -> ThrowawayMariaDB:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from celery_resilient.core import codec
 from celery_resilient.testing import EffectLog, wait_for
@@ -38,13 +39,14 @@ def _store_retries(logs: str, task_id: str) -> int:
 
 
 @pytest.fixture(params=["postgresql", "mariadb"])
-def outage_server(request: pytest.FixtureRequest
+def outage_server(request: pytest.FixtureRequest, mysql_url: str
                   ) -> Iterator[ThrowawayPostgres | ThrowawayMariaDB]:
-    """A store server of the test's own to take down: PostgreSQL, or MariaDB."""
+    """A store server of the test's own to take down: PostgreSQL, or MariaDB (through the
+    driver the suite's MySQL URL names)."""
     if request.param == "postgresql":
         yield request.getfixturevalue("throwaway_pg")
         return
-    server = ThrowawayMariaDB().init()
+    server = ThrowawayMariaDB(driver=make_url(mysql_url).get_driver_name()).init()
     server.start()
     try:
         yield server
