@@ -22,7 +22,7 @@ from celery_resilient.errors import StoreUnavailable
 from celery_resilient.runtime.runtime import Runtime
 from celery_resilient.store import deadlines
 from celery_resilient.store.engine import sanitize_url
-from celery_resilient.store.sql import PROVEN_DEAD
+from celery_resilient.store.sql import PROVEN_DEAD, Receipt
 from celery_resilient.tasks import handed_claims
 from celery_resilient.worker import pruner, recovery
 from celery_resilient.worker.backpressure import ConsumptionGate
@@ -109,8 +109,9 @@ class Maintainer(threading.Thread):
         """Write every buffered delivery in one statement.
 
         Only deliveries still held are written. A store outage keeps them for the next
-        round. Any other error drops the batch (the broker still holds those messages
-        unacked) rather than retry it forever and starve the rounds behind it.
+        round. Any other error writes them one by one and drops only those that fail (the
+        broker still holds those messages unacked) rather than retry them forever and
+        starve the rounds behind them.
         """
         items = self.rt.receipts.take_all()
         # A delivery acked or rejected before its receipt was written (during a store outage,
@@ -125,10 +126,29 @@ class Maintainer(threading.Thread):
                 self.rt.receipts.put_back(items)
                 raise
             except Exception:
-                log.exception("dropped %d receipt(s) that cannot be written", len(items),
-                              extra={"action": "receipt_dropped"})
-                return 0
+                if len(items) == 1:
+                    log.exception("dropped the receipt of %s: it cannot be written",
+                                  items[0].task_id, extra={"action": "receipt_dropped"})
+                    return 0
+                return self._record_one_by_one(items)
         return len(items)
+
+    def _record_one_by_one(self, items: list[Receipt]) -> int:
+        """A batch the store refused: each receipt alone, so one bad delivery (a message
+        over the MySQL packet limit, say) costs only its own."""
+        written = 0
+        for i, item in enumerate(items):
+            try:
+                self.rt.store.record_receipts([item], self.owner, self.rt.config.lease_seconds)
+            except StoreUnavailable:
+                self.rt.receipts.put_back(items[i:])
+                raise
+            except Exception:
+                log.exception("dropped the receipt of %s: it cannot be written", item.task_id,
+                              extra={"action": "receipt_dropped"})
+                continue
+            written += 1
+        return written
 
     def store_down_at(self) -> float | None:
         """Monotonic time this worker last failed to reach the store (None: never)."""

@@ -41,6 +41,13 @@ def test_receipts_flush_in_one_round_and_a_bad_batch_is_dropped(pg_url: str,
         rt.receipts.add(Receipt("x" * 300, "maint.task", "t-bad", None, None))  # > 255 chars
         assert maint.flush_receipts() == 0, "an unwritable batch must be dropped, not retried"
         assert len(rt.receipts) == 0
+
+        # One unwritable receipt among others costs only its own.
+        for task_id, key in (("t-a", "k-a"), ("t-bad", "x" * 300), ("t-b", "k-b")):
+            rt.unacked.add(task_id)
+            rt.receipts.add(Receipt(key, "maint.task", task_id, None, '{"m": 1}'))
+        assert maint.flush_receipts() == 2 and len(rt.receipts) == 0
+        assert [rt.store.get_work(k).state for k in ("k-a", "k-b")] == ["reserved"] * 2  # type: ignore[union-attr]
         assert rt.store.heartbeat(maint.owner, 30) is True  # the lease is still renewed
     finally:
         rt.store.dispose()
