@@ -97,7 +97,7 @@ TRANSITIONS: tuple[Transition, ...] = (
                "the sweep re-publishes it when the hold expires"),
     Transition("park", OPEN_STATES, DEAD, "pool process or sweeper",
                "deaths reached resilient_max_attempts, or re-publishes reached "
-               "resilient_max_republish without a start"),
+               "resilient_max_republish without progress"),
     Transition("stop", (RESERVED,), REQUEUED, "worker main process",
                "a clean shutdown hands its prefetched claims back"),
     Transition("retry", (DEAD, *ENDED_BY_REQUEST), REQUEUED, "operator",

@@ -83,7 +83,7 @@ class OrphanFate:
 def judge_orphan(state: str, owner_pid: int | None, republished: int, revoked: bool,
                  hold_seconds: float, max_republish: int | None,
                  max_hold_seconds: float | None) -> OrphanFate:
-    """A revoked task id ends ``revoked``; ``max_republish`` re-publishes without a start
+    """A revoked task id ends ``revoked``; ``max_republish`` re-publishes without progress
     park it ``dead``; otherwise the n-th re-publish waits ``hold_seconds * 2**n`` (at most
     ``max_hold_seconds``)."""
     # a claim its worker took but never saw start (batched takes) did not die

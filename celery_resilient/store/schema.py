@@ -72,8 +72,9 @@ def build_tables(prefix: str = "resilient_") -> Tables:
         Column("lease_expires_at", SECONDS, nullable=True),
         Column("attempts", Integer, nullable=False, default=0),
         Column("deaths", Integer, nullable=False, default=0),
-        # Re-publishes since the work last started (reset by a take): bounded by
-        # resilient_max_republish, and the exponent of the backoff between them.
+        # Re-publishes since the work last made progress (reset by a checkpoint that changes
+        # the saved state; a take is not progress): bounded by resilient_max_republish, and
+        # the exponent of the backoff between them.
         Column("republished", Integer, nullable=False, default=0),
         # Celery's retry count of the try that holds or last held the claim: a stale copy of
         # an earlier try (re-published and also redelivered) never runs again.
