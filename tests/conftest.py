@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from celery_resilient.store.sql import Store
-from celery_resilient.testing.services import drop_prefixed_tables
+from celery_resilient.testing.services import ThrowawayPostgres, drop_prefixed_tables
 
 pytest_plugins = ["celery_resilient.testing.plugin"]
 
@@ -122,6 +122,17 @@ def store(store_url: str, table_prefix: str) -> Iterator[Store]:
     s.migrate()
     yield s
     s.dispose()
+
+
+@pytest.fixture
+def throwaway_pg() -> Iterator[ThrowawayPostgres]:
+    """A PostgreSQL cluster of the test's own (initdb on a free port) it may stop and start."""
+    pg = ThrowawayPostgres().init()
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.destroy()
 
 
 @pytest.fixture

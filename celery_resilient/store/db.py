@@ -25,6 +25,7 @@ from celery_resilient.errors import (
     StoreUnreachable,
     WorkStopped,
 )
+from celery_resilient.store import engine as engine_module
 from celery_resilient.store import migrate, transient
 from celery_resilient.store.dialect import Dialect
 from celery_resilient.store.engine import EngineHolder, for_writing
@@ -174,6 +175,8 @@ class Database:
                         f"({transient.describe(exc)}): {exc.orig}") from exc
                 raise
             transient.note_commit()
+        # a soft time limit the pool's reset of this connection met (and SQLAlchemy hid)
+        engine_module.raise_swallowed_interrupt()
 
     @guarded
     def ensure_schema(self, migrate_if_needed: bool) -> None:

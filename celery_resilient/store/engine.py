@@ -220,6 +220,7 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
         if backend in ("mysql", "mariadb"):
             engine = _mysql_engine(url, autocommit)
             deadlines.install(engine)
+            _keep_interrupts(engine)
             return engine
         if autocommit:
             engine = create_engine(url, pool_size=2, max_overflow=3,
@@ -233,6 +234,7 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
         if make_url(url).get_driver_name() == "psycopg":
             event.listen(engine, "checkout", _refuse_unfinished)
         deadlines.install(engine)
+        _keep_interrupts(engine)
         return engine
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(
@@ -272,6 +274,43 @@ def _connect_args(url: str) -> dict[str, Any]:
         # hot path kept 95 % of its throughput.
         args["prepare_threshold"] = None
     return args
+
+
+class _Swallowed(threading.local):
+    interrupt: BaseException | None = None
+
+
+_swallowed = _Swallowed()
+
+
+def _keep_interrupts(engine: Engine) -> None:
+    """Celery's soft time limit is an ``Exception`` raised from a signal handler wherever the
+    pool process is. Landing in the pool's rollback of a returned connection, SQLAlchemy
+    logs it ("Exception during reset or similar") and swallows it, so the task went on
+    past its limit, unaware. The rollback keeps it for :func:`raise_swallowed_interrupt`."""
+    rollback = engine.dialect.do_rollback
+
+    def do_rollback(dbapi_conn: Any) -> None:
+        try:
+            rollback(dbapi_conn)
+        except Exception as exc:
+            if type(exc).__module__.startswith("billiard"):
+                _swallowed.interrupt = exc
+            raise
+
+    engine.dialect.do_rollback = do_rollback  # type: ignore[method-assign,assignment]
+
+
+def forget_swallowed_interrupt() -> None:
+    _swallowed.interrupt = None
+
+
+def raise_swallowed_interrupt() -> None:
+    """Raise the interrupt the pool's rollback met since :func:`forget_swallowed_interrupt`,
+    once the connection is back in the pool."""
+    exc, _swallowed.interrupt = _swallowed.interrupt, None
+    if exc is not None:
+        raise exc
 
 
 def _refuse_unfinished(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:

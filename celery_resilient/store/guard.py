@@ -19,6 +19,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError, StatementError
 
 from celery_resilient.errors import StoreUnavailable, StoreUnreachable
 from celery_resilient.store import deadlines, packet_limit, transient
+from celery_resilient.store import engine as engine_module
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -44,6 +45,8 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         name = _operation(fn, args)
+        if transient.outermost():
+            engine_module.forget_swallowed_interrupt()
         with transient.operation(name), \
                 deadlines.bounded(deadlines.thread_default()) as scope:
             op = transient.current_operation(name)
@@ -51,7 +54,10 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
             handling = sys.exc_info()[1]  # the caller's, e.g. a shutdown's WorkerShutdown
             while True:
                 try:
-                    return fn(*args, **kwargs)
+                    result = fn(*args, **kwargs)
+                    # a soft time limit a pool's reset met during the call (SQLAlchemy hid it)
+                    engine_module.raise_swallowed_interrupt()
+                    return result
                 except DBAPIError as exc:
                     interrupt = _interrupt_behind(exc, handling)
                     if interrupt is not None:

@@ -185,6 +185,11 @@ def operation(name: str) -> Iterator[None]:
         _calls.operation = outer
 
 
+def outermost() -> bool:
+    """Whether no store operation runs on this thread yet (the next one is the outermost)."""
+    return _calls.operation is None
+
+
 def current_operation(default: str) -> str:
     return _calls.operation or default
 

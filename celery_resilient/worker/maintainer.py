@@ -127,7 +127,7 @@ class Maintainer(threading.Thread):
                 raise
             except Exception:
                 if len(items) == 1:
-                    log.exception("dropped the receipt of %s: it cannot be written",
+                    log.exception("dropped 1 receipt(s) that cannot be written (%s)",
                                   items[0].task_id, extra={"action": "receipt_dropped"})
                     return 0
                 return self._record_one_by_one(items)
@@ -144,8 +144,8 @@ class Maintainer(threading.Thread):
                 self.rt.receipts.put_back(items[i:])
                 raise
             except Exception:
-                log.exception("dropped the receipt of %s: it cannot be written", item.task_id,
-                              extra={"action": "receipt_dropped"})
+                log.exception("dropped 1 receipt(s) that cannot be written (%s)",
+                              item.task_id, extra={"action": "receipt_dropped"})
                 continue
             written += 1
         return written

@@ -14,7 +14,6 @@ from celery_resilient.store.sql import Store
 from celery_resilient.testing.clients import close_result_client  # noqa: F401  (re-exported to the tests)
 from celery_resilient.testing.nodes import LocalWorker
 from celery_resilient.testing.plugin import NodeFactory
-from celery_resilient.testing.services import ThrowawayPostgres
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -96,17 +95,6 @@ def make_project(table_prefix: str, resilient_nodes: NodeFactory, queue_name: st
     yield make
     for project in made:
         project.close()
-
-
-@pytest.fixture
-def throwaway_pg() -> Iterator[ThrowawayPostgres]:
-    """A PostgreSQL cluster of the test's own (initdb on a free port) it may stop and start."""
-    pg = ThrowawayPostgres().init()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.destroy()
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
+import psycopg
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 from sqlalchemy import Engine, select, text
@@ -20,7 +22,7 @@ from celery_resilient.core import codec
 from celery_resilient.store.sql import Store
 from celery_resilient.testing import wait_for
 
-from .helpers import owner, run
+from .helpers import owner, run, started
 
 Interrupted = SoftTimeLimitExceeded  # what Celery's soft time limit raises in a pool process
 
@@ -126,3 +128,31 @@ def test_a_read_interrupted_while_waiting_raises_the_interrupt_not_an_outage(
         holder.close()
     _statement_landed(other, pg_store)
     assert pg_store.get_step("k", "first") == codec.encode(1)
+
+
+def test_a_soft_limit_in_the_pool_s_rollback_reaches_the_task(
+        pg_url: str, table_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery's soft time limit landing while the pool rolls back a connection it takes
+    back: SQLAlchemy logs such an exception and swallows it, and the task went on past its
+    limit. The caller of the transaction must see it (the store's work is committed)."""
+    store = Store(pg_url, table_prefix)
+    store.migrate()
+    try:
+        me = started(store, owner())
+        rollback = psycopg.Connection.rollback
+        fired: list[bool] = []
+
+        def interrupted(self: psycopg.Connection[Any]) -> None:
+            if not fired:  # once, as the signal handler would
+                fired.append(True)
+                raise SoftTimeLimitExceeded()
+            rollback(self)
+
+        monkeypatch.setattr(psycopg.Connection, "rollback", interrupted)
+        with pytest.raises(SoftTimeLimitExceeded), store.begin() as conn:
+            conn.execute(text("SELECT 1"))
+        assert fired == [True]
+        monkeypatch.undo()
+        assert store.heartbeat(me, 30) is True  # the next call runs, nothing left pending
+    finally:
+        store.dispose()
