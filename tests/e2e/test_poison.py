@@ -277,15 +277,18 @@ def test_a_duplicate_after_a_result_handed_over_is_not_run_again(
     assert all(r is not None and (r.epoch, r.deaths) == (1, 0) for r in rows)
 
 
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+@pytest.mark.parametrize(("broker", "store"), [("redis", "postgresql"),
+                                               ("rabbitmq", "postgresql"),
+                                               ("redis", "mariadb")])
 def test_kill_point_after_a_batch_of_takes(make_env: Callable[..., Env], broker: str,
-                                           redis_url: str, amqp_url: str, tmp_path: Path,
-                                           effect_log: EffectLog) -> None:
+                                           store: str, redis_url: str, amqp_url: str,
+                                           tmp_path: Path, effect_log: EffectLog) -> None:
     """The whole worker dies once its main process committed a batch of takes and before
     the pool got any of those requests: the restarted worker runs each task once (Redis's
     holding given back, RabbitMQ's redelivery), and no death is counted for claims taken
-    but never started."""
-    env = make_env(redis_url if broker == "redis" else amqp_url)
+    but never started. (MariaDB: the batch is one packet of statements, COMMIT included.)"""
+    env = make_env(redis_url if broker == "redis" else amqp_url,
+                   "mariadb" if store == "mariadb" else None)
     env.store.migrate()
     once = tmp_path / "killed-after-batch-take"
     worker = env.worker(RESILIENT_KILL_AT="after_batch_take", RESILIENT_KILL_ONCE=str(once))
