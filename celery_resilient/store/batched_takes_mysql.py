@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
@@ -100,7 +100,6 @@ class MySQLBatchedTakes:
             f"AND NOT EXISTS (SELECT 1 FROM {rv} r WHERE r.task_id = %(task_id)s)")
         # The same three per take, each value's name suffixed with the take's index.
         self.trio = "; ".join((self.update, f"{self.taken} AND ROW_COUNT() = 1", self.insert))
-        self.update_head = self.update[:self.update.index("%")]
 
     def run(self, conn: Connection, takes: Sequence[TakeRequest], started: Sequence[Started],
             node: str, inc: str, lease: float, max_attempts: int,
@@ -132,29 +131,33 @@ class MySQLBatchedTakes:
     def _run(self, conn: Connection, cursor: Any, takes: Sequence[TakeRequest],
              started: Sequence[Started], inc: str, node: str, lease: float,
              max_attempts: int, deferred: list[Started] | None) -> list[dict[str, Any]]:
-        statements: list[tuple[str, dict[str, Any]]] = [("START TRANSACTION", {})]
-        # (each entry one statement, but a take's trio: three)
-        if started:  # the transaction begun by the read that locks the marks' rows
-            statements = [
-                (_suffixed_sql(self.started if s.pid is not None else self.lost, f"m{i}"),
-                 _suffixed({"key": s.work_key, "epoch": s.epoch, "pid": s.pid,
-                            "inc": inc}, f"m{i}"))
-                for i, s in enumerate(self._lock_marked(cursor, started, deferred))]
-        first = len(statements)  # replies before the takes' trios
         limit = conn.info.get(packet_limit.INFO_KEY)
+        limit = None if limit is None else int(limit)
+
+        def part(sql: str, params: dict[str, Any], statements: int = 1) -> _Part:
+            size = 0 if limit is None else packet_limit.size_near(sql, params, limit)
+            return _Part(sql, params, statements, size)
+
+        parts = [part("START TRANSACTION", {})]
+        if started:  # the transaction begun by the read that locks the marks' rows
+            parts = [part(_suffixed_sql(self.started if s.pid is not None else self.lost,
+                                        f"m{i}"),
+                          _suffixed({"key": s.work_key, "epoch": s.epoch, "pid": s.pid,
+                                     "inc": inc}, f"m{i}"))
+                     for i, s in enumerate(self._lock_marked(cursor, started, deferred))]
+        first = len(parts)  # replies before the takes' trios
         sent: list[TakeRequest] = []
         for t in takes:
-            params = _suffixed(take_params(t, node, inc, lease, max_attempts), len(sent))
-            trio = _suffixed_sql(self.trio, len(sent))
-            if limit is not None and packet_limit.over(trio, params, int(limit)):
+            take = part(_suffixed_sql(self.trio, len(sent)),
+                        _suffixed(take_params(t, node, inc, lease, max_attempts), len(sent)), 3)
+            if limit is not None and take.size > limit:
                 continue  # its pool process's careful take refuses it, by name
-            statements.append((trio, params))
+            parts.append(take)
             sent.append(t)
-        statements.append(("COMMIT", {}))
-        replies = self._send(cursor, statements, None if limit is None else int(limit))
+        parts.append(part("COMMIT", {}))
+        replies = _send(cursor, parts, limit)
         rows: list[dict[str, Any]] = []
         for i, t in enumerate(sent):
-            # each take's trio is three statements: three replies
             (matched, _, _), (_, row, _), (inserted, _, epoch) = (
                 replies[first + 3 * i: first + 3 * i + 3])
             if matched == 1:
@@ -164,39 +167,6 @@ class MySQLBatchedTakes:
                 rows.append(dict(zip(TAKEN_COLUMNS, (
                     t.work_key, epoch, 1, 0, None, 0, None, 0, None, None), strict=True)))
         return rows
-
-    def _send(self, cursor: Any, statements: list[tuple[str, dict[str, Any]]],
-              limit: int | None) -> list[tuple[int, Any, int]]:
-        """Send ``statements`` in as few packets as ``limit`` allows (one, unless the batch
-        is over it); each statement's reply: its row count, its first row, its insert id."""
-        replies: list[tuple[int, Any, int]] = []
-        packet: list[str] = []
-        values: dict[str, Any] = {}
-        size = 0
-
-        def flush() -> None:
-            cursor.execute("; ".join(packet), values)
-            count = sum(3 if sql.startswith(self.update_head) else 1 for sql in packet)
-            for n in range(count):
-                if n:
-                    cursor.nextset()
-                row = cursor.fetchone() if cursor.description else None
-                replies.append((cursor.rowcount, row, int(cursor.lastrowid or 0)))
-            while cursor.nextset():  # (no more: each statement's reply was read)
-                pass
-            packet.clear()
-            values.clear()
-
-        for sql, params in statements:
-            one = 0 if limit is None else packet_limit.size_near(sql, params, limit)
-            if packet and limit is not None and size + one + 2 > limit:
-                flush()
-                size = 0
-            packet.append(sql)
-            values.update(params)
-            size += one + 2
-        flush()
-        return replies
 
     def _lock_marked(self, cursor: Any, started: Sequence[Started],
                      deferred: list[Started] | None) -> list[Started]:
@@ -215,6 +185,45 @@ class MySQLBatchedTakes:
         if deferred is not None:
             deferred.extend(s for s in started if s.work_key in held)
         return [s for s in started if s.work_key in locked]
+
+class _Part(NamedTuple):
+    """Statements of a batch's packet: their text, values, how many, and size as sent (0:
+    the server's limit unknown)."""
+
+    sql: str
+    params: dict[str, Any]
+    statements: int
+    size: int
+
+
+def _send(cursor: Any, parts: list[_Part], limit: int | None) -> list[tuple[int, Any, int]]:
+    """Send ``parts`` in as few packets as ``limit`` allows (one, unless the batch is over
+    it); each statement's reply: its row count, its first row, its insert id."""
+    replies: list[tuple[int, Any, int]] = []
+    packet: list[_Part] = []
+
+    def flush() -> None:
+        values = {k: v for p in packet for k, v in p.params.items()}
+        cursor.execute("; ".join(p.sql for p in packet), values)
+        for n in range(sum(p.statements for p in packet)):
+            if n:
+                cursor.nextset()
+            row = cursor.fetchone() if cursor.description else None
+            replies.append((cursor.rowcount, row, int(cursor.lastrowid or 0)))
+        while cursor.nextset():  # (no more: each statement's reply was read)
+            pass
+        packet.clear()
+
+    size = 0
+    for p in parts:
+        if packet and limit is not None and size + p.size + 2 > limit:
+            flush()
+            size = 0
+        packet.append(p)
+        size += p.size + 2
+    flush()
+    return replies
+
 
 def _suffixed(params: dict[str, Any], i: int | str) -> dict[str, Any]:
     return {f"{name}_{i}": value for name, value in params.items()}

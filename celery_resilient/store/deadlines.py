@@ -15,8 +15,8 @@ connection, which the caller's retry guard reports as the store being unavailabl
 pool replaces the connection. Connections are unregistered when they go back to the pool,
 so an idle pooled connection is never shut down.
 
-Only drivers with a socket (PostgreSQL, MySQL) are bounded; SQLite waits on file locks, which its
-busy timeout bounds.
+Only drivers with a socket (PostgreSQL, MySQL) are bounded; SQLite waits on file locks,
+which its busy timeout bounds.
 """
 
 from __future__ import annotations
@@ -86,10 +86,8 @@ def thread_default() -> float | None:
 
 def _closed(dbapi_conn: Any) -> bool:
     """Read without calling the driver (a plain attribute, safe from any thread): psycopg's
-    ``closed``, mysqlclient's ``open``, PyMySQL's ``_sock``."""
-    if getattr(dbapi_conn, "closed", False) or not getattr(dbapi_conn, "open", True):
-        return True
-    return hasattr(dbapi_conn, "_sock") and dbapi_conn._sock is None
+    ``closed``; the MySQL drivers' ``open``."""
+    return bool(getattr(dbapi_conn, "closed", False)) or not getattr(dbapi_conn, "open", True)
 
 
 def _fileno(dbapi_conn: Any) -> int | None:

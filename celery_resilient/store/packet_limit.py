@@ -82,11 +82,6 @@ def check(statement: str, parameters: Any, executemany: bool, limit: int) -> Non
                 "the server; nothing was written")
 
 
-def over(statement: str, parameters: Any, limit: int) -> bool:
-    """Whether ``statement`` with its values is over ``limit`` bytes as sent."""
-    return size_near(statement, parameters, limit) > limit
-
-
 def size_near(statement: str, parameters: Any, limit: int) -> int:
     """The bytes ``statement`` takes as sent: a cheap bound, or the exact size once the
     bound reaches ``limit`` (a sum of these may overrate a packet, never underrate it)."""
@@ -145,5 +140,4 @@ def _sent_size(value: Any) -> int:
     return _bound(value)
 
 
-__all__ = ["INFO_KEY", "check", "enforce", "install", "listener", "over", "refused",
-           "size_near"]
+__all__ = ["INFO_KEY", "check", "enforce", "install", "listener", "refused", "size_near"]
