@@ -200,10 +200,18 @@ class ThrowawayMariaDB:
         self.process: subprocess.Popen[bytes] | None = None
 
     def init(self) -> ThrowawayMariaDB:
-        subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={self.data}",
-                        f"--user={self.user}", "--auth-root-authentication-method=normal",
-                        "--skip-test-db"], check=True, capture_output=True, timeout=120)
-        return self
+        """Create the data directory; once more from scratch if the first try failed (two
+        run at the same moment have failed once in the suite), its output in the error."""
+        for _attempt in (1, 2):
+            done = subprocess.run(
+                ["mariadb-install-db", "--no-defaults", f"--datadir={self.data}",
+                 f"--user={self.user}", "--auth-root-authentication-method=normal",
+                 "--skip-test-db"], check=False, capture_output=True, timeout=120)
+            if done.returncode == 0:
+                return self
+            shutil.rmtree(self.data, ignore_errors=True)
+        raise RuntimeError(f"mariadb-install-db exited {done.returncode} twice: "
+                           + (done.stdout + done.stderr).decode(errors="replace")[-2000:])
 
     def url_on(self, host: str) -> str:
         """The URL by one of its other addresses (``also_listen``)."""
