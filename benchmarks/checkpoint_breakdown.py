@@ -13,19 +13,27 @@ round trip costs. Variants:
   is the save's p50 within 1.5 x this, measured in the same run;
 - ``bare round trip``: one ``SELECT 1`` on a checked-out connection (the floor of any call).
 
-    python benchmarks/checkpoint_breakdown.py [--samples 3000]
+Then the CPU per save, client and server, against what a user would hand-write instead of a
+checkpoint: ``json.dumps`` of the state and an autocommitted ``INSERT ... ON CONFLICT DO
+UPDATE`` of a progress row of their own, psycopg alone on one open connection. Blocks of each
+alternate; the client's is this process's CPU time, the server's the CPU its backends used
+(``/proc``, found by ``application_name``), so both see the same machine.
+
+    python benchmarks/checkpoint_breakdown.py [--samples 3000] [--cpu-blocks 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from bench_common import markdown_table, percentile
+from bench_common import markdown_table, median, percentile, process_cpu
 from checkpoint_latency import claim, drop, timed
 from sqlalchemy import Engine, create_engine, event, text
 
@@ -116,10 +124,73 @@ def bare_round_trip(url: str, samples: int) -> list[float]:
         engine.dispose()
 
 
+def with_application_name(url: str, name: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}application_name={name}"
+
+
+def backend_pids(conn: Any, name: str) -> list[int]:
+    rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s",
+                        (name,)).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def cpu_per_save(url: str, blocks: int, block: int) -> dict[str, list[tuple[float, float]]]:
+    """(client ms, server ms) per save of each block: ``Checkpoint.save`` and a hand-written
+    progress upsert, blocks alternating in random order."""
+    import psycopg
+
+    tag = uuid.uuid4().hex[:8]
+    ours_name, raw_name = f"ckbrk_ours_{tag}", f"ckbrk_raw_{tag}"
+    prefix = f"brk{tag}_"
+    store = Store(with_application_name(url, ours_name), prefix)
+    dsn = url.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        store.migrate()
+        config = ResilientConfig.from_mapping({"resilient_store_url": store.url,
+                                               "resilient_table_prefix": prefix})
+        checkpoint = claim(store, config, "bench-key")
+        with psycopg.connect(with_application_name(dsn, raw_name), autocommit=True,
+                             prepare_threshold=None) as conn, \
+                psycopg.connect(dsn, autocommit=True) as monitor:
+            conn.execute(f"CREATE TABLE {prefix}progress (key text PRIMARY KEY, state text, "
+                         "updated_at double precision)")
+            upsert = (f"INSERT INTO {prefix}progress (key, state, updated_at) VALUES (%s, %s, "
+                      "extract(epoch from clock_timestamp())) ON CONFLICT (key) DO UPDATE SET "
+                      "state = excluded.state, updated_at = excluded.updated_at")
+
+            def ours(i: int) -> None:
+                checkpoint.save({"row": i})
+
+            def raw(i: int) -> None:
+                conn.execute(upsert, ("bench-key", json.dumps({"row": i})))
+
+            for i in range(300):
+                ours(i)
+                raw(i)
+            pids = {"ours": backend_pids(monitor, ours_name), "raw": backend_pids(monitor, raw_name)}
+            out: dict[str, list[tuple[float, float]]] = {"ours": [], "raw": []}
+            for _ in range(blocks):
+                pair = [("ours", ours), ("raw", raw)]
+                random.shuffle(pair)
+                for name, fn in pair:
+                    server0 = sum(process_cpu(p) for p in pids[name])
+                    client0 = time.process_time()
+                    for i in range(block):
+                        fn(i)
+                    client = time.process_time() - client0
+                    server = sum(process_cpu(p) for p in pids[name]) - server0
+                    out[name].append((client * 1000 / block, server * 1000 / block))
+            return out
+    finally:
+        drop(store)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--pg-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--cpu-blocks", type=int, default=10,
+                        help="blocks of 1,000 saves each way for the CPU per save (0: skip)")
     args = parser.parse_args(argv)
     shipped, raw = shipped_against_raw(args.pg_url, args.samples)
     cases = [
@@ -135,6 +206,21 @@ def main(argv: list[str] | None = None) -> int:
         [(name, f"{percentile(v, 50):.3f}", f"{percentile(v, 99):.3f}",
           f"{sum(v) / len(v):.3f}", f"{percentile(v, 50) / floor:.2f}")
          for name, v in cases]))
+    if args.cpu_blocks:
+        cpu = cpu_per_save(args.pg_url, args.cpu_blocks, 1000)
+        rows = []
+        for name, label in (("ours", "Checkpoint.save"),
+                            ("raw", "hand-written progress upsert (json.dumps + psycopg)")):
+            client = median([c for c, _ in cpu[name]])
+            server = median([s for _, s in cpu[name]])
+            raw_client = median([c for c, _ in cpu["raw"]])
+            raw_server = median([s for _, s in cpu["raw"]])
+            rows.append((label, f"{client:.3f}", f"{server:.3f}",
+                         f"{client / raw_client:.2f}", f"{server / raw_server:.2f}"))
+        print()
+        print(markdown_table(
+            ["CPU per save (median of blocks)", "client ms", "server ms",
+             "client / hand-written", "server / hand-written"], rows))
     return 0
 
 

@@ -32,6 +32,7 @@ from celery_resilient.store.engine import EngineHolder, for_writing
 from celery_resilient.store.guard import drop, guarded, server_gone
 from celery_resilient.store.hot import HotStatements
 from celery_resilient.store.hot_mysql import MySQLHotStatements
+from celery_resilient.store.pinned import PinnedConnection
 from celery_resilient.store.schema import build_tables
 
 
@@ -61,6 +62,9 @@ class Database:
         self.t = build_tables(table_prefix)
         self._hot = (MySQLHotStatements if self.dialect.is_mysql else HotStatements)(
             self.t, self.dialect)
+        # PostgreSQL through psycopg: single statements on a kept connection when it is free
+        self._pinned = (PinnedConnection() if make_url(url).get_driver_name() == "psycopg"
+                        else None)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -77,6 +81,8 @@ class Database:
         return (self.engine, self._autocommit.get())
 
     def dispose(self) -> None:
+        if self._pinned is not None:
+            self._pinned.discard()
         self._engine.dispose()
         self._autocommit.dispose()
 
@@ -122,7 +128,18 @@ class Database:
 
     @contextmanager
     def _autocommitted(self) -> Iterator[Connection]:
-        with self._autocommit.get().connect() as conn:  # connections stay in autocommit
+        engine = self._autocommit.get()
+        if self._pinned is not None:
+            with self._pinned.lend(engine) as kept:
+                if kept is not None:
+                    try:
+                        yield kept
+                    except BaseException as exc:
+                        if server_gone(exc):
+                            drop(kept)
+                        raise
+                    return
+        with engine.connect() as conn:  # connections stay in autocommit
             try:
                 yield conn
             except BaseException as exc:

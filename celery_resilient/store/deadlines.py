@@ -108,6 +108,11 @@ def watch(dbapi_conn: Any) -> None:
     _register(dbapi_conn)
 
 
+def unwatch(dbapi_conn: Any) -> None:
+    """End :func:`watch`: the connection stays out of the pool, idle (``store/pinned.py``)."""
+    _unregister(dbapi_conn)
+
+
 def _register(dbapi_conn: Any) -> None:
     scope = current()
     if scope is not None:
@@ -241,4 +246,4 @@ os.register_at_fork(after_in_child=_process.after_fork)
 
 
 __all__ = ["Scope", "bounded", "current", "install", "shut", "thread_bound", "thread_default",
-           "watch"]
+           "unwatch", "watch"]

@@ -7,8 +7,7 @@ library's CPU, so what they cost beyond their round trip is kept near zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     BigInteger,
@@ -32,8 +31,7 @@ from celery_resilient.store import packet_limit
 from celery_resilient.store.dialect import Dialect
 
 
-@dataclass(frozen=True)
-class HotResult:
+class HotResult(NamedTuple):
     """What callers of a hot statement read: rows matched, and the first row returned."""
 
     rowcount: int
@@ -46,6 +44,9 @@ class HotStatements:
     def __init__(self, t: Any, dialect: Dialect) -> None:
         self.dialect = dialect
         self._driver_sql: dict[str, tuple[str, dict[str, Any]]] = {}
+        #: The statements that return a row (read the row without asking the driver's
+        #: description, which builds its columns' objects on every call).
+        self._returning: set[str] = set()
         w, rv, old = t.work, t.revocations, t.old_checkpoints
         now = dialect.now()
         # The checkpoint a pre-0005 worker keeps (see Store.load_checkpoint), read with the
@@ -184,7 +185,7 @@ class HotStatements:
         if conn.dialect.driver != "psycopg" or _instrumented(conn):
             res = conn.exec_driver_sql(sql, {**defaults, **params})
             return HotResult(res.rowcount, res.first() if res.returns_rows else None)
-        return _on_psycopg(conn, sql, {**defaults, **params})
+        return _on_psycopg(conn, sql, {**defaults, **params}, name in self._returning)
 
     def _compiled(self, conn: Connection, name: str, statement: Any) -> tuple[str, dict[str, Any]]:
         compiled = self._driver_sql.get(name)
@@ -193,6 +194,8 @@ class HotStatements:
             sql = str(c)
             if "POSTCOMPILE" in sql:  # an expanding IN needs SQLAlchemy at each call
                 raise AssertionError(f"hot statement {name} cannot be precompiled: {sql}")
+            if getattr(c, "effective_returning", None):
+                self._returning.add(name)
             compiled = self._driver_sql[name] = (sql, dict(c.params))
         return compiled
 
@@ -205,7 +208,8 @@ def _instrumented(conn: Connection) -> bool:
                 or conn.dispatch.after_cursor_execute or conn.dialect.dispatch.handle_error)
 
 
-def _on_psycopg(conn: Connection, sql: str, params: dict[str, Any]) -> HotResult:
+def _on_psycopg(conn: Connection, sql: str, params: dict[str, Any], returning: bool,
+                ) -> HotResult:
     from psycopg.rows import namedtuple_row  # noqa: PLC0415 - psycopg is the optional driver
 
     raw = conn.connection.dbapi_connection
@@ -213,8 +217,7 @@ def _on_psycopg(conn: Connection, sql: str, params: dict[str, Any]) -> HotResult
     cursor = raw.cursor(row_factory=namedtuple_row)
     try:
         cursor.execute(sql, params)
-        row = cursor.fetchone() if cursor.description is not None else None
-        return HotResult(cursor.rowcount, row)
+        return HotResult(cursor.rowcount, cursor.fetchone() if returning else None)
     except conn.dialect.loaded_dbapi.Error as exc:
         invalidated = bool(conn.dialect.is_disconnect(exc, raw, cursor))
         if invalidated:

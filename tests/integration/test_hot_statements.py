@@ -19,9 +19,8 @@ from .helpers import owner, run
 
 
 def _backend_pids(store: Store) -> set[int]:
-    """The backends of the store's autocommit pool (the connections hot statements use)."""
-    autocommit = store.engines[1]
-    with autocommit.connect() as conn:
+    """The backend of the connection hot statements use (the process's kept one)."""
+    with store.single() as conn:
         assert not _instrumented(conn), "a listener would send hot statements through SQLAlchemy"
         return {int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())}
 

@@ -1,0 +1,128 @@
+"""The autocommitted connection a process keeps for its single statements on PostgreSQL
+(``store/pinned.py``): no pool checkout per statement, yet every case a pooled connection
+handles (a concurrent caller, a connection left mid-statement, a fork, a dropped store)
+ends as it would with the pool."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import threading
+from typing import Any
+
+from sqlalchemy import Engine, event, text
+
+from celery_resilient.core import codec
+from celery_resilient.store.sql import Store
+from celery_resilient.testing import wait_for
+
+from .helpers import owner, run
+
+
+def _backend(store: Store) -> int:
+    with store.single() as conn:
+        return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def _alive(other: Engine, pid: int) -> bool:
+    with other.connect() as conn:
+        found = conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"),
+                             {"p": pid}).scalar_one()
+        conn.rollback()
+    return bool(found)
+
+
+def test_a_thread_s_single_statements_need_no_pool_checkout(pg_store: Store) -> None:
+    claim = run(pg_store, "k", owner())
+    first = _backend(pg_store)
+    checkouts: list[Any] = []
+    event.listen(pg_store.engines[1], "checkout", lambda *a: checkouts.append(a))
+    for i in range(20):
+        pg_store.save_checkpoint("k", claim.epoch, codec.encode({"row": i}))
+    pg_store.finish("k", claim.epoch, codec.encode("ok"))
+    assert checkouts == []
+    assert _backend(pg_store) == first
+    assert pg_store.load_checkpoint("k") == (codec.encode({"row": 19}), 20)
+
+
+def test_a_second_caller_uses_the_pool_while_the_kept_one_is_busy(pg_store: Store) -> None:
+    claim = run(pg_store, "k", owner())
+    holding, release = threading.Event(), threading.Event()
+    held: list[int] = []
+
+    def hold() -> None:
+        with pg_store.single() as conn:
+            held.append(int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one()))
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        # not blocked behind the holder: the pool lends another connection
+        assert pg_store.save_checkpoint("k", claim.epoch, codec.encode({"row": 1})) == 1
+        assert _backend(pg_store) != held[0]
+    finally:
+        release.set()
+        holder.join(10)
+    assert not holder.is_alive()
+    assert _backend(pg_store) == held[0]  # free again: the kept one
+
+
+def test_a_kept_connection_left_mid_statement_is_never_lent_again(pg_store: Store) -> None:
+    with pg_store.single() as conn:
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        raw.pgconn.send_query(b"SELECT pg_sleep(0.2)")  # sent; its reply never read
+        broken = id(raw)
+    with pg_store.single() as conn:
+        assert id(conn.connection.dbapi_connection) != broken
+        assert conn.execute(text("SELECT 1")).scalar_one() == 1
+
+
+def test_a_use_that_raises_gives_it_back_to_the_pool(pg_store: Store) -> None:
+    kept = _backend(pg_store)
+    try:
+        with pg_store.single():
+            raise RuntimeError("the caller's own error")
+    except RuntimeError:
+        pass
+    with pg_store.engines[1].connect() as conn:  # the pool has it again
+        assert int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one()) == kept
+
+
+def _child_backend(store: Store, key: str, epoch: int, out: Any) -> None:
+    store.save_checkpoint(key, epoch, codec.encode({"row": "child"}))
+    out.put(_backend(store))
+
+
+def test_a_forked_child_never_uses_its_parent_s(pg_store: Store) -> None:
+    claim = run(pg_store, "k", owner())
+    parent = _backend(pg_store)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_backend, args=(pg_store, "k", claim.epoch, out))
+    child.start()
+    child_backend = out.get(timeout=30)
+    child.join(30)
+    assert child.exitcode == 0
+    assert child_backend != parent
+    # the child neither used nor closed the parent's session
+    assert pg_store.save_checkpoint("k", claim.epoch, codec.encode({"row": 2})) == 2
+    assert _backend(pg_store) == parent
+
+
+def test_dispose_closes_it(pg_store: Store, other: Engine) -> None:
+    kept = _backend(pg_store)
+    pg_store.dispose()
+    wait_for(lambda: not _alive(other, kept), 10, "the kept session to end")
+
+
+def test_a_store_dropped_without_dispose_closes_it(pg_url: str, table_prefix: str,
+                                                   other: Engine) -> None:
+    store = Store(pg_url, table_prefix)
+    kept = _backend(store)
+    del store
+    gc.collect()
+    wait_for(lambda: not _alive(other, kept), 10, "the kept session to end")
