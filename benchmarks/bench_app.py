@@ -4,9 +4,12 @@ Configured by environment: ``BENCH_BROKER``, ``BENCH_QUEUE``, ``BENCH_BACKEND`` 
 stored there when set), ``BENCH_RESILIENT`` ("1": wire
 ``Resilient(app)`` with ``BENCH_STORE_URL``/``BENCH_TABLE_PREFIX``, and with
 ``BENCH_RELIABLE_FETCH`` "0" kombu's own Redis fetch; "0": plain Celery, no celery-resilient
-at all), and optional ``BENCH_PROFILE_DIR``: time every store call and every SQL statement
-per process and write them there as JSON when the process exits (measurement only; the
-library is not changed, its ``Store`` methods are wrapped from here).
+at all), ``BENCH_CHECKPOINTS`` (progress points per task: a ResumableTask saves a checkpoint
+at each, plain Celery makes the hand-written equivalent, an autocommitted upsert of a progress
+row in ``BENCH_PROGRESS_TABLE`` through psycopg at ``BENCH_PROGRESS_DSN``, one connection per
+process with psycopg's defaults), and optional ``BENCH_PROFILE_DIR``: time every store call
+and every SQL statement per process and write them there as JSON when the process exits
+(measurement only; the library is not changed, its ``Store`` methods are wrapped from here).
 """
 
 from __future__ import annotations
@@ -48,11 +51,29 @@ if os.environ.get("BENCH_RESILIENT", "0") == "1":
 
 
 _BODY_S = float(os.environ.get("BENCH_BODY_MS", "0")) / 1000
+_CHECKPOINTS = int(os.environ.get("BENCH_CHECKPOINTS", "0"))
+_progress: tuple[int, Any] | None = None
+
+
+def _upsert_progress(n: int, point: int) -> None:
+    """Plain Celery's progress point, as a user would write it without this library."""
+    global _progress
+    import psycopg
+
+    if _progress is None or _progress[0] != os.getpid():  # opened after the fork
+        _progress = (os.getpid(), psycopg.connect(os.environ["BENCH_PROGRESS_DSN"],
+                                                  autocommit=True))
+    _progress[1].execute(
+        f"INSERT INTO {os.environ['BENCH_PROGRESS_TABLE']} (task, state) VALUES (%s, %s) "
+        "ON CONFLICT (task) DO UPDATE SET state = excluded.state",
+        (str(n), json.dumps({"point": point})))
 
 
 @app.task(name="bench.plain", acks_late=True)
 def plain(n: int) -> int:
     """The baseline: a task with ``acks_late=True`` (trivial unless BENCH_BODY_MS is set)."""
+    for point in range(1, _CHECKPOINTS + 1):
+        _upsert_progress(n, point)
     if _BODY_S:
         time.sleep(_BODY_S)
     return n
@@ -61,6 +82,8 @@ def plain(n: int) -> int:
 @app.task(name="bench.resumable", base=ResumableTask, bind=True)
 def resumable(self: ResumableTask, n: int) -> int:
     """The same body as a ResumableTask (claim, finish, receipt, all in the store)."""
+    for point in range(1, _CHECKPOINTS + 1):
+        self.checkpoint.save({"point": point})
     if _BODY_S:
         time.sleep(_BODY_S)
     return n

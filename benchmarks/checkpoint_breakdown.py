@@ -15,9 +15,10 @@ round trip costs. Variants:
 
 Then the CPU per save, client and server, against what a user would hand-write instead of a
 checkpoint: ``json.dumps`` of the state and an autocommitted ``INSERT ... ON CONFLICT DO
-UPDATE`` of a progress row of their own, psycopg alone on one open connection. Blocks of each
-alternate; the client's is this process's CPU time, the server's the CPU its backends used
-(``/proc``, found by ``application_name``), so both see the same machine.
+UPDATE`` of a progress row of their own, psycopg alone on one open connection; and the save
+with a pool checkout each time, as before the process kept a connection (``store/pinned.py``).
+Blocks of each alternate; the client's is this process's CPU time, the server's the CPU its
+backends used (``/proc``, found by ``application_name``), so both see the same machine.
 
     python benchmarks/checkpoint_breakdown.py [--samples 3000] [--cpu-blocks 10]
 """
@@ -135,8 +136,9 @@ def backend_pids(conn: Any, name: str) -> list[int]:
 
 
 def cpu_per_save(url: str, blocks: int, block: int) -> dict[str, list[tuple[float, float]]]:
-    """(client ms, server ms) per save of each block: ``Checkpoint.save`` and a hand-written
-    progress upsert, blocks alternating in random order."""
+    """(client ms, server ms) per save of each block: ``Checkpoint.save`` on the process's
+    kept connection, the same through a pool checkout per save, and a hand-written progress
+    upsert, blocks alternating in random order."""
     import psycopg
 
     tag = uuid.uuid4().hex[:8]
@@ -158,7 +160,14 @@ def cpu_per_save(url: str, blocks: int, block: int) -> dict[str, list[tuple[floa
                       "extract(epoch from clock_timestamp())) ON CONFLICT (key) DO UPDATE SET "
                       "state = excluded.state, updated_at = excluded.updated_at")
 
+            kept = store._pinned
+
             def ours(i: int) -> None:
+                store._pinned = kept
+                checkpoint.save({"row": i})
+
+            def ours_pooled(i: int) -> None:
+                store._pinned = None
                 checkpoint.save({"row": i})
 
             def raw(i: int) -> None:
@@ -167,10 +176,15 @@ def cpu_per_save(url: str, blocks: int, block: int) -> dict[str, list[tuple[floa
             for i in range(300):
                 ours(i)
                 raw(i)
-            pids = {"ours": backend_pids(monitor, ours_name), "raw": backend_pids(monitor, raw_name)}
-            out: dict[str, list[tuple[float, float]]] = {"ours": [], "raw": []}
+            for i in range(300):
+                ours_pooled(i)
+            ours_pids = backend_pids(monitor, ours_name)
+            pids = {"ours": ours_pids, "ours_pooled": ours_pids,
+                    "raw": backend_pids(monitor, raw_name)}
+            out: dict[str, list[tuple[float, float]]] = {"ours": [], "ours_pooled": [],
+                                                         "raw": []}
             for _ in range(blocks):
-                pair = [("ours", ours), ("raw", raw)]
+                pair = [("ours", ours), ("ours_pooled", ours_pooled), ("raw", raw)]
                 random.shuffle(pair)
                 for name, fn in pair:
                     server0 = sum(process_cpu(p) for p in pids[name])
@@ -210,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu = cpu_per_save(args.pg_url, args.cpu_blocks, 1000)
         rows = []
         for name, label in (("ours", "Checkpoint.save"),
+                            ("ours_pooled", "Checkpoint.save, a pool checkout per save "
+                             "(the kept connection off)"),
                             ("raw", "hand-written progress upsert (json.dumps + psycopg)")):
             client = median([c for c, _ in cpu[name]])
             server = median([s for _, s in cpu[name]])

@@ -21,6 +21,10 @@ a few at a time. Below a mode's capacity every mode keeps up with the rate, and 
 shows the price is the CPU per task (its ratio is the capacity each mode would have on a CPU-
 bound machine); above it the queue builds up into a backlog again.
 
+``--checkpoints N``: N progress points per task, a checkpoint save each for ResumableTask and,
+for plain Celery, what a user would hand-write instead: an autocommitted upsert of a progress
+row in the same PostgreSQL.
+
 Prints a markdown table: median tasks/s per mode and the ratio ours/plain.
 """
 
@@ -43,6 +47,7 @@ from pathlib import Path
 
 import celery
 import kombu
+import psycopg
 import redis
 import sqlalchemy
 from bench_common import (
@@ -105,8 +110,16 @@ class Mode:
 class Bench:
     def __init__(self, broker: str, concurrency: int, tmp: Path,
                  profile_dir: Path | None, body_ms: float = 0.0, prefetch: int = 4,
-                 backend: str | None = None, stream_rate: float | None = None) -> None:
+                 backend: str | None = None, stream_rate: float | None = None,
+                 checkpoints: int = 0, pg_url: str = "") -> None:
         self.backend = backend
+        self.checkpoints = checkpoints
+        self.progress_table = f"bench_progress_{uuid.uuid4().hex[:8]}"
+        self.progress_dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
+        if checkpoints:
+            with psycopg.connect(self.progress_dsn, autocommit=True) as conn:
+                conn.execute(f"CREATE TABLE {self.progress_table} (task text PRIMARY KEY, "
+                             "state text)")
         self.stream_rate = stream_rate
         self.body_ms = body_ms
         self.prefetch = prefetch
@@ -127,7 +140,10 @@ class Bench:
                "BENCH_RESILIENT": "1" if mode.store_url else "0",
                "BENCH_BODY_MS": str(self.body_ms), "BENCH_RELIABLE_FETCH": mode.reliable_fetch,
                "BENCH_PREFETCH": str(self.prefetch), "BENCH_BACKEND": self.backend or "",
-               "BENCH_BATCHED_TAKES": mode.batched}
+               "BENCH_BATCHED_TAKES": mode.batched,
+               "BENCH_CHECKPOINTS": str(self.checkpoints),
+               "BENCH_PROGRESS_DSN": self.progress_dsn,
+               "BENCH_PROGRESS_TABLE": self.progress_table}
         if mode.store_url:
             env |= {"BENCH_STORE_URL": mode.store_url, "BENCH_TABLE_PREFIX": mode.prefix}
             store = Store(mode.store_url, mode.prefix)
@@ -467,6 +483,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", default=None,
                         help="result backend URL for --results stored (default: the broker's "
                              "Redis, next database)")
+    parser.add_argument("--checkpoints", type=int, default=0,
+                        help="progress points per task: ResumableTask saves a checkpoint at "
+                             "each, plain Celery upserts a progress row in --pg-url")
     parser.add_argument("--shape", choices=("backlog", "stream"), default="backlog",
                         help="backlog: published before the clock starts; stream: sent at "
                              "--rate while the worker consumes")
@@ -538,7 +557,8 @@ def run_modes(args: argparse.Namespace, servers: OwnServers | None) -> int:
 
     bench = Bench(args.broker, args.concurrency, tmp, args.profile, args.body_ms,
                   args.prefetch, backend=args.backend if args.results == "stored" else None,
-                  stream_rate=args.rate if args.shape == "stream" else None)
+                  stream_rate=args.rate if args.shape == "stream" else None,
+                  checkpoints=args.checkpoints, pg_url=args.pg_url)
     bench.cprofile = args.cprofile
     bench.servers = servers
     if bench.unacked_baseline:
@@ -551,6 +571,8 @@ def run_modes(args: argparse.Namespace, servers: OwnServers | None) -> int:
           f"prefetch x{args.prefetch}; "
           f"{args.tasks} tasks x {args.reps} reps per mode, {args.warmup} warm-up tasks, "
           f"task body {args.body_ms} ms; results {args.results}"
+          + (f"; {args.checkpoints} progress points per task (checkpoint saves; plain "
+             f"Celery: hand-written upserts in PostgreSQL)" if args.checkpoints else "")
           + (f" in {args.backend}" if args.results == "stored" else "")
           + (f"; stream at {args.rate:.0f} tasks/s" if args.shape == "stream"
              else "; backlog published before the clock") + "\n",

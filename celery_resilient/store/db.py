@@ -11,7 +11,7 @@ cannot slip in between the check and the write; on SQLite ``BEGIN IMMEDIATE`` se
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, func, select, update
@@ -97,8 +97,7 @@ class Database:
             raise
         return conn
 
-    @contextmanager
-    def single(self) -> Iterator[Connection]:
+    def single(self) -> AbstractContextManager[Connection]:
         """A connection for exactly one atomic write statement.
 
         On PostgreSQL and MySQL it runs in autocommit: the statement is its own transaction,
@@ -107,12 +106,7 @@ class Database:
         a transaction of its own, in the same packet (:mod:`.hot_mysql`); any other write
         that reads back must use :meth:`begin`. SQLite takes the normal writing transaction.
         """
-        if self.dialect.is_sqlite:
-            with self.begin() as conn:
-                yield conn
-            return
-        with self._autocommitted() as conn:
-            yield conn
+        return self.begin() if self.dialect.is_sqlite else self._autocommitted()
 
     @contextmanager
     def reading(self) -> Iterator[Connection]:

@@ -12,7 +12,7 @@ import functools
 import logging
 import sys
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError, StatementError
@@ -45,60 +45,72 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         name = _operation(fn, args)
-        if transient.outermost():
-            engine_module.forget_swallowed_interrupt()
-        with transient.operation(name), \
-                deadlines.bounded(deadlines.thread_default()) as scope:
-            op = transient.current_operation(name)
-            committed, reruns, reconnected = transient.commits(), 0, False
-            handling = sys.exc_info()[1]  # the caller's, e.g. a shutdown's WorkerShutdown
-            while True:
-                try:
-                    result = fn(*args, **kwargs)
-                    # a soft time limit a pool's reset met during the call (SQLAlchemy hid it)
-                    engine_module.raise_swallowed_interrupt()
-                    return result
-                except DBAPIError as exc:
-                    interrupt = _interrupt_behind(exc, handling)
-                    if interrupt is not None:
-                        raise interrupt from None
-                    too_large = packet_limit.refused(exc)
-                    if too_large is not None:
-                        raise too_large from exc
-                    if scope is not None and scope.expired:
-                        raise StoreUnreachable(
-                            f"store did not answer within {scope.seconds:g}s during {op} "
-                            "(connection closed; a stalled pooler, proxy or server answers "
-                            "nothing while TCP stays up)") from exc
-                    if transient.commits() == committed:
-                        if transient.is_retryable(exc) and reruns < transient.RETRIES:
-                            reruns += 1
-                            log.info("%s during %s; running it again (%d/%d)",
-                                     transient.describe(exc), op, reruns, transient.RETRIES,
-                                     extra={"action": "store_rerun"})
-                            transient.pause(reruns)
-                            continue
-                        if exc.connection_invalidated and not reconnected:
-                            reconnected = True
-                            log.info("store connection was stale during %s; retrying once", op)
-                            continue
-                    if not isinstance(exc, OperationalError) and not transient.is_transient(exc):
-                        raise
-                    what = ("connection lost" if exc.connection_invalidated else
-                            "unavailable" if transient.is_transient(exc) else "unreachable")
-                    error = StoreUnavailable if what == "unavailable" else StoreUnreachable
-                    raise error(f"store {what} during {op} "
-                                f"({transient.describe(exc)}): {exc.orig}") from exc
-                except StatementError as exc:
-                    # SQLAlchemy wraps what interrupted its own code mid-statement (Celery's
-                    # SoftTimeLimitExceeded, raised from a signal handler): the task must see
-                    # that exception itself, as its handlers expect.
-                    orig = exc.orig
-                    if isinstance(orig, BaseException) and _is_interrupt(orig):
-                        raise orig from None
-                    raise
+        outer = transient.enter_operation(name)
+        try:
+            if outer is None:
+                engine_module.forget_swallowed_interrupt()
+            seconds = deadlines.thread_default()
+            if seconds is None or deadlines.current() is not None:  # unbounded, or nested
+                return _attempts(fn, args, kwargs, name, deadlines.current())
+            with deadlines.bounded(seconds) as scope:
+                return _attempts(fn, args, kwargs, name, scope)
+        finally:
+            transient.leave_operation(outer)
 
     return wrapper
+
+
+def _attempts(fn: Callable[P, T], args: Any, kwargs: Any, name: str,
+              scope: deadlines.Scope | None) -> T:
+    """Run ``fn`` once, again where that is safe (see :func:`guarded`), and name what failed."""
+    op = transient.current_operation(name)
+    committed, reruns, reconnected = transient.commits(), 0, False
+    handling = sys.exc_info()[1]  # the caller's, e.g. a shutdown's WorkerShutdown
+    while True:
+        try:
+            result = fn(*args, **kwargs)
+            # a soft time limit a pool's reset met during the call (SQLAlchemy hid it)
+            engine_module.raise_swallowed_interrupt()
+            return result
+        except DBAPIError as exc:
+            interrupt = _interrupt_behind(exc, handling)
+            if interrupt is not None:
+                raise interrupt from None
+            too_large = packet_limit.refused(exc)
+            if too_large is not None:
+                raise too_large from exc
+            if scope is not None and scope.expired:
+                raise StoreUnreachable(
+                    f"store did not answer within {scope.seconds:g}s during {op} "
+                    "(connection closed; a stalled pooler, proxy or server answers "
+                    "nothing while TCP stays up)") from exc
+            if transient.commits() == committed:
+                if transient.is_retryable(exc) and reruns < transient.RETRIES:
+                    reruns += 1
+                    log.info("%s during %s; running it again (%d/%d)",
+                             transient.describe(exc), op, reruns, transient.RETRIES,
+                             extra={"action": "store_rerun"})
+                    transient.pause(reruns)
+                    continue
+                if exc.connection_invalidated and not reconnected:
+                    reconnected = True
+                    log.info("store connection was stale during %s; retrying once", op)
+                    continue
+            if not isinstance(exc, OperationalError) and not transient.is_transient(exc):
+                raise
+            what = ("connection lost" if exc.connection_invalidated else
+                    "unavailable" if transient.is_transient(exc) else "unreachable")
+            error = StoreUnavailable if what == "unavailable" else StoreUnreachable
+            raise error(f"store {what} during {op} "
+                        f"({transient.describe(exc)}): {exc.orig}") from exc
+        except StatementError as exc:
+            # SQLAlchemy wraps what interrupted its own code mid-statement (Celery's
+            # SoftTimeLimitExceeded, raised from a signal handler): the task must see
+            # that exception itself, as its handlers expect.
+            orig = exc.orig
+            if isinstance(orig, BaseException) and _is_interrupt(orig):
+                raise orig from None
+            raise
 
 
 def _operation(fn: Callable[..., object], args: tuple[object, ...]) -> str:

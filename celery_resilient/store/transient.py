@@ -185,6 +185,20 @@ def operation(name: str) -> Iterator[None]:
         _calls.operation = outer
 
 
+def enter_operation(name: str) -> str | None:
+    """:func:`operation` for the guard, without a context manager (on every store call):
+    the outer operation's name, None if this one is the outermost; pass it to
+    :func:`leave_operation`."""
+    outer = _calls.operation
+    if outer is None:
+        _calls.operation = name
+    return outer
+
+
+def leave_operation(outer: str | None) -> None:
+    _calls.operation = outer
+
+
 def outermost() -> bool:
     """Whether no store operation runs on this thread yet (the next one is the outermost)."""
     return _calls.operation is None
