@@ -100,8 +100,11 @@ class PinnedConnection:
 
 def _usable(state: _State, engine: Engine) -> Connection:
     conn = state.conn
-    if conn is not None and (state.engine is not engine or conn.invalidated or conn.closed
-                             or _unfinished(conn.connection.dbapi_connection)):
+    if conn is not None and state.engine is not engine:  # the store disposed its engines
+        _close_kept([state])
+        conn = None
+    elif conn is not None and (conn.invalidated or conn.closed
+                               or _unfinished(conn.connection.dbapi_connection)):
         _give_back(state)
         conn = None
     if conn is None:
@@ -122,9 +125,10 @@ def _give_back(state: _State) -> None:
 
 
 def _close_kept(box: list[_State]) -> None:
-    """Close the kept connection of a store nobody holds any more (this process's only)."""
+    """Close the kept connection (this process's only) of a store nobody holds any more, or
+    of an engine disposed while it was lent."""
     state = box[0]
-    conn, state.conn = state.conn, None
+    conn, state.conn, state.engine = state.conn, None, None
     if conn is not None and state.pid == os.getpid():
         with suppress(Exception):
             conn.invalidate()  # closes it now: its engine may be disposed already

@@ -126,3 +126,13 @@ def test_a_store_dropped_without_dispose_closes_it(pg_url: str, table_prefix: st
     del store
     gc.collect()
     wait_for(lambda: not _alive(other, kept), 10, "the kept session to end")
+
+
+def test_disposed_while_lent_it_is_closed_at_its_next_use(pg_store: Store, other: Engine,
+                                                           ) -> None:
+    with pg_store.single() as conn:
+        kept = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+        pg_store.dispose()  # another thread's shutdown, say: the kept one is in use here
+    fresh = _backend(pg_store)  # a new engine: the old connection is not lent again
+    assert fresh != kept
+    wait_for(lambda: not _alive(other, kept), 10, "the old kept session to end")
