@@ -1,7 +1,7 @@
 """The autocommitted connection a process keeps for its single statements on PostgreSQL
 (``store/pinned.py``): no pool checkout per statement, yet every case a pooled connection
-handles (a concurrent caller, a connection left mid-statement, a fork, a dropped store)
-ends as it would with the pool."""
+handles (a concurrent caller, a fork, a dropped store; one left mid-statement:
+``test_interrupted_statements.py``) ends as it would with the pool."""
 
 from __future__ import annotations
 
@@ -68,17 +68,6 @@ def test_a_second_caller_uses_the_pool_while_the_kept_one_is_busy(pg_store: Stor
         holder.join(10)
     assert not holder.is_alive()
     assert _backend(pg_store) == held[0]  # free again: the kept one
-
-
-def test_a_kept_connection_left_mid_statement_is_never_lent_again(pg_store: Store) -> None:
-    with pg_store.single() as conn:
-        raw = conn.connection.dbapi_connection
-        assert raw is not None
-        raw.pgconn.send_query(b"SELECT pg_sleep(0.2)")  # sent; its reply never read
-        broken = id(raw)
-    with pg_store.single() as conn:
-        assert id(conn.connection.dbapi_connection) != broken
-        assert conn.execute(text("SELECT 1")).scalar_one() == 1
 
 
 def test_a_use_that_raises_gives_it_back_to_the_pool(pg_store: Store) -> None:
