@@ -221,6 +221,10 @@ def _on_psycopg(conn: Connection, sql: str, params: dict[str, Any], returning: b
     except conn.dialect.loaded_dbapi.Error as exc:
         invalidated = bool(conn.dialect.is_disconnect(exc, raw, cursor))
         if invalidated:
+            # As SQLAlchemy does on a disconnect: every connection of the pool opened before
+            # now is replaced at its next checkout (the server restarted or ended them all,
+            # so the retry must not meet the next dead one), then this one.
+            conn.engine.pool._invalidate(conn.connection, exc)
             conn.invalidate(exc)
         raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error,
                                   connection_invalidated=invalidated,

@@ -25,7 +25,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -118,10 +118,18 @@ def _give_back(state: _State) -> None:
     if conn is None:
         return
     if not conn.invalidated and _unfinished(conn.connection.dbapi_connection):
-        with suppress(Exception):
-            conn.invalidate()
-    with suppress(Exception):
-        conn.close()
+        _quietly(conn.invalidate)
+    _quietly(conn.close)
+
+
+def _quietly(call: Any) -> None:
+    """A cleanup whose failure changes nothing (the connection is given up either way), but
+    never one that swallows a soft time limit landing in it: the task must see its limit."""
+    try:
+        call()
+    except Exception as exc:
+        if type(exc).__module__.startswith("billiard"):
+            raise
 
 
 def _close_kept(box: list[_State]) -> None:
@@ -130,8 +138,7 @@ def _close_kept(box: list[_State]) -> None:
     state = box[0]
     conn, state.conn, state.engine = state.conn, None, None
     if conn is not None and state.pid == os.getpid():
-        with suppress(Exception):
-            conn.invalidate()  # closes it now: its engine may be disposed already
+        _quietly(conn.invalidate)  # closes it now: its engine may be disposed already
 
 
 def _unfinished(dbapi_conn: Any) -> bool:

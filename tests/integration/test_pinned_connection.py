@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import threading
+import uuid
 from typing import Any
 
 from sqlalchemy import Engine, event, text
@@ -125,3 +126,41 @@ def test_disposed_while_lent_it_is_closed_at_its_next_use(pg_store: Store, other
     fresh = _backend(pg_store)  # a new engine: the old connection is not lent again
     assert fresh != kept
     wait_for(lambda: not _alive(other, kept), 10, "the old kept session to end")
+
+
+def test_after_the_server_ended_every_session_one_retry_meets_a_fresh_connection(
+        pg_url: str, table_prefix: str, other: Engine) -> None:
+    """A server restart, a failover or a pooler's reset ends the kept session and the pool's
+    idle ones alike: the first failure replaces them all, as SQLAlchemy does on a
+    disconnect, so the guard's one retry does not meet the next dead one."""
+    name = f"kept_{uuid.uuid4().hex[:8]}"
+    store = Store(f"{pg_url}{'&' if '?' in pg_url else '?'}application_name={name}",
+                  table_prefix)
+    try:
+        store.migrate()
+        claim = run(store, "k", owner())
+        autocommit = store.engines[1]
+        idle = [autocommit.connect() for _ in range(2)]  # the pool keeps two idle ones
+        for conn in idle:
+            conn.execute(text("SELECT 1"))
+            conn.close()
+        _backend(store)  # and the kept one
+        with other.connect() as conn:
+            ended = conn.execute(text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = :n"), {"n": name}).scalar_one()
+            conn.commit()
+        assert ended >= 3
+        wait_for(lambda: not _sessions(other, name), 10, "the sessions to end")
+        assert store.save_checkpoint("k", claim.epoch, codec.encode({"row": 1})) == 1
+        store.finish("k", claim.epoch, codec.encode("ok"))
+    finally:
+        store.dispose()
+
+
+def _sessions(other: Engine, name: str) -> int:
+    with other.connect() as conn:
+        found = conn.execute(text("SELECT count(*) FROM pg_stat_activity "
+                                  "WHERE application_name = :n"), {"n": name}).scalar_one()
+        conn.rollback()
+    return int(found)
