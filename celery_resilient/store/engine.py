@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 import weakref
 from typing import Any
@@ -233,6 +234,7 @@ def build_engine(url: str, autocommit: bool = False) -> Engine:
                                    connect_args=_connect_args(url))
         if make_url(url).get_driver_name() == "psycopg":
             event.listen(engine, "checkout", _refuse_unfinished)
+            cooperative_psycopg_waits()
         deadlines.install(engine)
         _keep_interrupts(engine)
         return engine
@@ -311,6 +313,26 @@ def raise_swallowed_interrupt() -> None:
     exc, _swallowed.interrupt = _swallowed.interrupt, None
     if exc is not None:
         raise exc
+
+
+def cooperative_psycopg_waits() -> None:
+    """Make psycopg wait for the server through ``select`` when eventlet patched it.
+
+    psycopg waits in C (``wait_c``) unless gevent patched ``select``; eventlet it does not
+    detect. Under eventlet every round trip then blocks the whole process: each statement
+    stops every green thread for its duration, and a store that answers nothing stops them
+    for good (the lease renewal, the deadline watchdog that would end the call, the other
+    tasks), until the link answers again. psycopg's ``wait_select`` goes through eventlet's
+    green ``select`` and lets them run. The connect's own wait already uses ``selectors``,
+    which eventlet serves. (The same choice as ``PSYCOPG_WAIT_FUNC=wait_select``.)"""
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is None or not patcher.is_monkey_patched("select"):
+        return
+    from psycopg import waiting  # noqa: PLC0415 - psycopg is the optional driver
+
+    if waiting.wait is not waiting.wait_select:
+        waiting.wait = waiting.wait_select
+        log.debug("psycopg waits through eventlet's green select")
 
 
 def _refuse_unfinished(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
