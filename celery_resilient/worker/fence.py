@@ -2,8 +2,9 @@
 
 Engaged by the fencing guard (:mod:`.fencing`) and the liveness session
 (:mod:`.liveness_session`) for a named reason, released per reason. Stopping is SIGKILL of
-the pool processes running resumable work (a pool without child processes, such as solo or
-threads, runs the task in the worker's own process: the worker then exits with code 3).
+the pool processes running resumable work (a pool without child processes, solo, threads,
+gevent or eventlet, runs the task in the worker's own process: the worker then exits with
+code 3).
 Nothing here waits on the store or the network.
 """
 
@@ -25,6 +26,8 @@ from celery_resilient.worker.backpressure import ConsumptionGate
 log = logging.getLogger(__name__)
 #: Exit code of a worker that fenced a resumable execution running in its own process.
 EX_FENCED = 3
+#: No process id is larger (Linux's PID_MAX_LIMIT on 64-bit; other systems stay below).
+PID_MAX_LIMIT = 1 << 22
 
 
 class Fence:
@@ -85,7 +88,7 @@ class Fence:
             pid = getattr(request, "worker_pid", None)
             if not pid or not isinstance(request.task, ResumableTask):
                 continue
-            if pid == os.getpid():
+            if runs_in_this_process(pid):
                 self._exit_in_process(request)
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -112,4 +115,12 @@ class Fence:
         os._exit(EX_FENCED)
 
 
-__all__ = ["EX_FENCED", "Fence"]
+def runs_in_this_process(worker_pid: int) -> bool:
+    """Whether the request Celery says ``worker_pid`` runs it runs in the worker's own
+    process: solo and threads report this process's id; gevent and eventlet a green
+    thread's ``id()``, a memory address no process id reaches (signalling it failed, and no
+    execution was stopped); prefork a pool process's id."""
+    return worker_pid == os.getpid() or worker_pid > PID_MAX_LIMIT
+
+
+__all__ = ["EX_FENCED", "Fence", "runs_in_this_process"]

@@ -129,6 +129,48 @@ def test_a_worker_whose_store_goes_silent_fences_before_a_takeover(
     assert silent.process.status == "running"
 
 
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_a_green_worker_whose_store_goes_silent_exits_before_a_takeover(
+        make_project: Callable[..., Project], redis_url: str, pg_url: str,
+        store_link: SilentLink, effect_log: EffectLog, pool: str) -> None:
+    """A pool without child processes is fenced by ending the worker. Two things failed on
+    the green pools: the fence took Celery's worker pid of a green thread (its ``id()``) for
+    a process to SIGKILL, failed, and stopped nothing; and on eventlet psycopg waited in C,
+    so the first statement on the silent link stopped the lease renewal, the deadline
+    watchdog and the fencing guard with it until the link answered."""
+    pytest.importorskip(pool)
+    project = make_project(redis_url)
+    silent_url = make_url(pg_url).set(host="127.0.0.1", port=store_link.port)
+    silent = project.worker(name="silent", concurrency=4, pool=pool, env={
+        "RESILIENT_STORE_URL": silent_url.render_as_string(hide_password=False)})
+    sparse = project.send("sparse", 120, 0.5, 40)  # a checkpoint every 20 s
+    dense = project.send("ingest", 240, 0.25)  # a checkpoint every row
+    wait_for(lambda: effect_log.count(f"row:{sparse}:4") == 1
+             and effect_log.count(f"row:{dense}:8") == 1, 60, "the silent worker to run both")
+    other = project.worker(name="other", concurrency=2)
+    store_link.silence()
+    wait_for(lambda: silent.process.status == "exited", LEASE + 10,
+             "the silent green worker to end itself")
+    ended = time.time()
+    assert silent.process.proc is not None and silent.process.proc.returncode == 3
+    assert "runs in the worker's own process" in silent.process.logs()
+    wait_for(lambda: all(len(_starts(effect_log, k)) >= 2 for k in (sparse, dense)),
+             LEASE + 30, "the other worker to take both over")
+    store_link.resume()
+    wait_for(lambda: project.all_done([sparse, dense]), 180, "the work to finish")
+    for key in (sparse, dense):
+        starts = sorted(_starts(effect_log, key).items())
+        assert starts[1][1] > ended, f"{key}: taken over before the silent worker ended"
+        spans = _spans(effect_log, key)
+        gaps = [later[0] - earlier[1] for earlier, later in itertools.pairwise(spans)]
+        assert all(g > 0 for g in gaps), f"executions of {key} overlapped: gaps {gaps}"
+    assert effect_log.count(f"notify:{sparse}") == 1, "the sparse task's step ran twice"
+    assert effect_log.count(f"end:{sparse}") == 1
+    assert effect_log.count(f"notify:{dense}") == 1, "the dense task's step ran twice"
+    assert effect_log.count(f"charge:{dense}") == 1, "the dense task's ledger effect twice"
+    other.process.stop()
+
+
 @pytest.fixture
 def broker_link(redis_url: str) -> Iterator[SilentLink]:
     url = make_url(redis_url)
