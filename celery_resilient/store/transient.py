@@ -176,13 +176,11 @@ _calls = _Calls()
 @contextmanager
 def operation(name: str) -> Iterator[None]:
     """Name the store operation this thread runs (the outermost one wins), for messages."""
-    outer = _calls.operation
-    if outer is None:
-        _calls.operation = name
+    outer = enter_operation(name)
     try:
         yield
     finally:
-        _calls.operation = outer
+        leave_operation(outer)
 
 
 def enter_operation(name: str) -> str | None:
